@@ -1,0 +1,44 @@
+"""The `conveyor` command line: one subcommand per service or tool.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+heavy imports (torch, grpc) happen inside `run`, so `conveyor --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from services.common.logs import setup_logging
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("services.models.cli", "fetch the test model or write a tiny random one"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="conveyor",
+        description="LLM serving with pipeline parallelism and asynchronous scheduling.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(cmd_parser)
+        cmd_parser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, json_lines=args.log_json)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

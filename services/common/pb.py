@@ -1,0 +1,137 @@
+"""Conversions between the internal dataclasses and their protobuf messages.
+
+Proto messages stop at the edge (STYLE.md habit 4): servicers call these and hand plain
+dataclasses to the core.
+"""
+
+from __future__ import annotations
+
+from services.common.proto.conveyor.v1 import common_pb2, worker_pb2
+from services.common.sampling import SamplingParams
+from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Builds validated params; raises InvalidRequest naming a bad field."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def plan_to_pb(plan: StepPlan, tokens_from_last_stage: bool) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            worker_pb2.NewRequest(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=sampling_to_pb(r.sampling),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in plan.new_requests
+        ],
+        cached_requests=[
+            worker_pb2.CachedRequest(
+                request_id=r.request_id,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                new_block_ids=r.new_block_ids,
+                new_token_ids=r.new_token_ids,
+            )
+            for r in plan.cached_requests
+        ],
+        finished_request_ids=plan.finished_request_ids,
+        tokens_from_last_stage=tokens_from_last_stage,
+    )
+
+
+def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[
+            NewRequest(
+                request_id=r.request_id,
+                token_ids=list(r.token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=sampling_from_pb(r.sampling),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in msg.new_requests
+        ],
+        cached_requests=[
+            CachedRequest(
+                request_id=r.request_id,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                new_block_ids=list(r.new_block_ids),
+                new_token_ids=list(r.new_token_ids),
+            )
+            for r in msg.cached_requests
+        ],
+        finished_request_ids=list(msg.finished_request_ids),
+    )
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_logprob=lp.token_logprob,
+        top_token_ids=lp.top_token_ids,
+        top_logprobs=lp.top_logprobs,
+    )
+
+
+def logprobs_from_pb(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_logprob=msg.token_logprob,
+        top_token_ids=list(msg.top_token_ids),
+        top_logprobs=list(msg.top_logprobs),
+    )
+
+
+def result_from_report(msg: worker_pb2.StepReport) -> StepResult:
+    """The sampled tokens of a last-stage report."""
+    logprobs = None
+    if msg.logprobs_index:
+        logprobs = [None] * len(msg.request_ids)
+        for index, lp in zip(msg.logprobs_index, msg.logprobs, strict=True):
+            logprobs[index] = logprobs_from_pb(lp)
+    return StepResult(
+        step_id=msg.step_id,
+        request_ids=list(msg.request_ids),
+        token_ids=list(msg.token_ids),
+        logprobs=logprobs,
+    )

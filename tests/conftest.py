@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -30,28 +27,9 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> str:
+def redis_url() -> str:
     """A private redis-server on a free port, stopped at the end of the session."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not on PATH: run `make install` (it installs it)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("private redis-server did not start within 10 s")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    from services.common.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url

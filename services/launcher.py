@@ -1,0 +1,191 @@
+"""`conveyor up`: the whole stack on one machine, as child processes.
+
+Starts a private redis-server (unless --redis-url), P stage workers, the scheduler and the
+router, waits until the router reports SERVING, and on Ctrl-C / SIGTERM stops all of them.
+Children die with the launcher even if it is killed (PR_SET_PDEATHSIG), so no process is
+left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from services.common.redis_server import RedisServer, free_port
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Polls grpc.health.v1 until SERVING; raises TimeoutError naming the address."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout_s:.0f} s")
+
+
+@dataclass
+class Stack:
+    """The child processes of one `conveyor up`, stopped in reverse start order."""
+
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    redis: RedisServer | None = None
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "services.cli", *argv]
+        logger.info("starting %s: %s", name, " ".join(argv))
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+
+    def first_exited(self) -> tuple[str, int] | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+
+def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
+    """Starts every service; returns the stack and the address clients should use."""
+    stack = Stack()
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            stack.redis = RedisServer().start()
+            redis_url = stack.redis.url
+        dist_addr = f"127.0.0.1:{free_port()}"
+        worker_addrs = []
+        env = dict(os.environ)
+        for stage in range(args.stages):
+            port = free_port()
+            worker_addrs.append(f"127.0.0.1:{port}")
+            argv = ["worker", "--model", args.model, "--stage", str(stage),
+                    "--stages", str(args.stages), "--dist-addr", dist_addr, "--port", str(port),
+                    "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype]  # fmt: skip
+            if args.threads:
+                argv += ["--threads", str(args.threads)]
+            if args.layer_split:
+                argv += ["--layer-split", args.layer_split]
+            stack.spawn(f"worker {stage}", argv, env)
+        scheduler_port = args.scheduler_port or free_port()
+        scheduler_addr = f"127.0.0.1:{scheduler_port}"
+        argv = ["scheduler", "--workers", ",".join(worker_addrs), "--redis-url", redis_url,
+                "--port", str(scheduler_port), "--scheduling", args.scheduling,
+                *args.scheduler_args]  # fmt: skip
+        if args.timeline:
+            argv += ["--timeline", args.timeline]
+        scheduler = stack.spawn("scheduler", argv, env)
+        wait_serving(scheduler_addr, args.startup_timeout, scheduler)
+        public_addr = scheduler_addr
+        if _has_router():
+            argv = ["router", "--scheduler", scheduler_addr, "--model", args.model,
+                    "--port", str(args.port), *args.router_args]  # fmt: skip
+            router = stack.spawn("router", argv, env)
+            public_addr = f"127.0.0.1:{args.port}"
+            wait_serving(public_addr, args.startup_timeout, router)
+        return stack, public_addr
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def _has_router() -> bool:
+    from services.cli import COMMANDS
+
+    return "router" in COMMANDS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--stages", "--pipeline-parallel-size", dest="stages", type=int,
+                        default=2, help="pipeline stages, one worker process each (default: 2)")
+    parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis to keep request state in (default: start a private redis-server)")
+    parser.add_argument("--scheduling", choices=["async", "sync"], default="async",
+                        help="scheduling mode (default: async)")
+    parser.add_argument("--kv-cache-memory", default="1GiB",
+                        help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per worker (default: cores / stages)")
+    parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
+    parser.add_argument("--scheduler-port", type=int, default=None,
+                        help="scheduler gRPC port (default: a free port)")
+    parser.add_argument("--timeline", default=None,
+                        help="write a Chrome/Perfetto trace of the pipeline to FILE on stop")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds to wait for every service to be SERVING (default: 300)")
+    parser.add_argument("--scheduler-arg", dest="scheduler_args", action="append", default=[],
+                        help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64")
+    parser.add_argument("--router-arg", dest="router_args", action="append", default=[],
+                        help="extra flag passed to the router")
+
+
+def run(args: argparse.Namespace) -> int:
+    stack, address = start_stack(args)
+    stopping = False
+
+    def _on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print(f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling})", flush=True)
+    try:
+        while not stopping:
+            exited = stack.first_exited()
+            if exited:
+                logger.error("%s exited with code %s; stopping the stack", *exited)
+                return 1
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0

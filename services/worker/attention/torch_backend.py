@@ -1,0 +1,163 @@
+"""Paged attention in plain PyTorch: the CPU path, and the reference for the Triton kernels.
+
+One call serves a whole flattened mixed batch (prefill chunks and decodes together):
+
+1. the new K/V rows are written into the paged cache at `slot_mapping`;
+2. each sequence's context is gathered from its blocks into a dense [B, L, Hkv, D];
+3. one batched `scaled_dot_product_attention` per kind of sequence (decodes, and chunks
+   of more than one token) with a boolean mask built from positions and seq_lens.
+
+GQA never copies K/V per query head: the G = Hq / Hkv query heads that share a KV head are
+folded into the query-length axis, so each KV head is attended once:
+
+    q [B, Q, Hkv*G, D] -> [B, Hkv, Q*G, D]   k, v [B, Hkv, L, D]   mask [B, 1, Q*G, L]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:  # fmt: skip
+    """Store k, v [T, Hkv, D] in the caches [N, bs, Hkv, D] at slots [T]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Write k, v into the cache, then attend q [T, Hq, D] over the paged context.
+
+    Each row sees its own sequence's tokens up to and including its position (causal within
+    the chunk, full over the cached past). Returns [T, Hq, D] in q's dtype.
+    """
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only:
+        return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    query_lens = meta.query_lens
+    is_decode = query_lens == 1
+    if not bool(is_decode.any()):
+        return _chunks(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    decode_seqs = is_decode.nonzero().squeeze(1)
+    decode_rows = meta.query_start_loc[:-1].long()[decode_seqs]
+    out[decode_rows] = _decode(
+        q[decode_rows], k_cache, v_cache, meta.block_tables[decode_seqs],
+        meta.seq_lens[decode_seqs], scale,
+    )  # fmt: skip
+    chunk_seqs = (~is_decode).nonzero().squeeze(1)
+    rows, result = _chunks_subset(q, k_cache, v_cache, meta, chunk_seqs, scale)
+    out[rows] = result
+    return out
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int
+) -> torch.Tensor:
+    """[B, Hkv, L, D] dense context of each sequence (L = max_seq_len; tails are garbage)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, Hkv, D]
+    dense = blocks.flatten(1, 2)[:, :max_seq_len]  # [B, L, Hkv, D]
+    return dense.transpose(1, 2)
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_seq_len = int(seq_lens.max())
+    keys = gather_context(k_cache, block_tables, max_seq_len)  # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, max_seq_len)
+    query = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B,Hkv,G,D]
+    positions = torch.arange(max_seq_len, device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
+    )  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _chunks_subset(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, seq_ids: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention for the sequences `seq_ids` only; returns (their rows [T'], output)."""
+    starts = meta.query_start_loc[:-1].long()[seq_ids]
+    lens = meta.query_lens.long()[seq_ids]
+    rows = _ranges(starts, lens)
+    sub = AttentionMetadata(
+        positions=meta.positions[rows],
+        slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=F.pad(lens.cumsum(0), (1, 0)).to(meta.query_start_loc.dtype),
+        seq_lens=meta.seq_lens[seq_ids],
+        block_tables=meta.block_tables[seq_ids],
+        max_query_len=int(lens.max()),
+        max_seq_len=int(meta.seq_lens[seq_ids].max()),
+    )
+    return rows, _chunks(q[rows], k_cache, v_cache, sub, scale)
+
+
+def _chunks(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """General case: q [T, Hq, D] rows of chunks, padded to [B, Qmax] for one batched call."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    query_lens = meta.query_lens.long()
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), query_lens)
+    offset_of_row = (
+        torch.arange(num_tokens, device=q.device) - meta.query_start_loc[:-1].long()[seq_of_row]
+    )  # [T]
+    padded = q.new_zeros(num_seqs, max_q, num_kv_heads, group, head_dim)
+    padded[seq_of_row, offset_of_row] = q.view(num_tokens, num_kv_heads, group, head_dim)
+    query = padded.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
+
+    keys = gather_context(k_cache, meta.block_tables, meta.max_seq_len)  # [B, Hkv, L, D]
+    values = gather_context(v_cache, meta.block_tables, meta.max_seq_len)
+    mask = _chunk_mask(meta, max_q, group, q.device)  # [B, 1, Qmax*G, L]
+    out = F.scaled_dot_product_attention(
+        query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
+    )  # [B, Hkv, Qmax*G, D]
+    out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out[seq_of_row, offset_of_row].reshape(num_tokens, num_heads, head_dim)
+
+
+def _chunk_mask(
+    meta: AttentionMetadata, max_q: int, group: int, device: torch.device
+) -> torch.Tensor:
+    """[B, 1, Qmax*G, L] bool: query i of sequence b sees key j iff j <= its position.
+
+    Padding queries (i >= query_len) get the last position so no row is fully masked.
+    """
+    seq_lens = meta.seq_lens.long()
+    first_pos = seq_lens - meta.query_lens.long()  # [B] position of each chunk's first row
+    offsets = torch.arange(max_q, device=device)
+    q_pos = torch.minimum(first_pos[:, None] + offsets[None, :], seq_lens[:, None] - 1)
+    key_pos = torch.arange(meta.max_seq_len, device=device)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
+    return mask.repeat_interleave(group, dim=1)[:, None]
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n): [sum(lens)] int64."""
+    total = int(lens.sum())
+    seq_of = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
+    first = F.pad(lens.cumsum(0), (1, 0))[:-1]
+    return torch.arange(total, device=lens.device) - first[seq_of] + starts[seq_of]

@@ -1,0 +1,132 @@
+"""A Llama-family decoder cut to one pipeline stage (Llama, Mistral, Qwen2).
+
+Stage 0 embeds token ids; every stage runs its own decoder layers over the flattened
+mixed batch [T, hidden]; the last stage holds the final norm and lm_head, applied only to
+the rows that sample (`compute_logits`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import ConfigError
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.model.config import ModelConfig
+from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from services.worker.model.stages import StageSpec
+
+logger = logging.getLogger(__name__)
+
+AttentionFn = Callable[..., torch.Tensor]
+ATTENTION_BACKENDS = {
+    "torch": "services.worker.attention.torch_backend",
+    "triton": "services.worker.attention.triton_backend",
+}
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_attention_backend(name: str) -> AttentionFn:
+    """`paged_attention_forward` of the backend `name` ("torch" or "triton"), imported lazily."""
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"attention_backend={name!r} is unknown: choose one of {sorted(ATTENTION_BACKENDS)}"
+        )
+    return importlib.import_module(ATTENTION_BACKENDS[name]).paged_attention_forward
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache; q/k/v fused into one projection."""
+
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.attention_fn = attention_fn
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        out = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, attention_fn: AttentionFn) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attention_fn)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StageModel(nn.Module):
+    """The layers of one pipeline stage, plus embedding (first) and norm/lm_head (last)."""
+
+    def __init__(
+        self, config: ModelConfig, stage: StageSpec, attention_backend: str = "torch",
+        max_positions: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.config, self.stage = config, stage
+        attention_fn = load_attention_backend(attention_backend)
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if stage.is_first else None
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention_fn) for _ in range(stage.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
+        # [V, hidden]; on a single-stage tied model it is the embedding weight itself.
+        self.register_buffer("lm_head_weight", None, persistent=False)
+        self.requires_grad_(False)
+
+    def forward(
+        self, meta: AttentionMetadata, kv_caches: KVCaches,
+        input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Run this stage's layers: token ids [T] (first stage) or hidden [T, hidden] in,
+        hidden [T, hidden] out (before the final norm on the last stage)."""
+        if self.stage.is_first:
+            if input_ids is None:
+                raise ValueError("stage 0 needs input_ids")
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            if hidden_states is None:
+                raise ValueError(f"stage {self.stage.stage_index} needs hidden_states")
+            x = hidden_states
+        cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, 1, D] x 2
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only)."""
+        if self.norm is None or self.lm_head_weight is None:
+            raise ValueError(f"stage {self.stage.stage_index} is not the last stage")
+        return F.linear(self.norm(hidden_states), self.lm_head_weight).float()

@@ -1,0 +1,241 @@
+"""`StageRunner`: runs one pipeline stage's share of each StepPlan.
+
+It keeps the per-request state the plans are deltas against (block table, token ids,
+computed-token count, sampling params), turns a plan into one flattened batch
+(input ids / positions / slots / block tables) in a single vectorised pass, runs the
+stage's layers over the paged KV cache and, on the last stage, samples one token for every
+request whose chunk reaches the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import UnknownRequest
+from services.common.sampling import SamplingParams
+from services.common.step import StepPlan, StepResult
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCache, KVCacheSpec
+from services.worker.model.config import ModelConfig
+from services.worker.model.llama import StageModel
+from services.worker.model.loader import load_stage_model, resolve_dtype
+from services.worker.model.stages import stage_spec
+from services.worker.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What a worker remembers about one request between steps."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt + outputs known to this stage (stage 0 and the last stage keep it exact)."""
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The requests of one step in batch order, with their tokens this step."""
+
+    states: list[RequestState]
+    num_scheduled: list[int]
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Seconds this stage spent per step: building inputs, the forward, sampling."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step_id, start perf_counter, end perf_counter) of each step's compute."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.prepare_s + self.forward_s + self.sample_s
+
+
+class StageRunner:
+    """Holds one stage's model, KV cache and request states; executes step plans."""
+
+    def __init__(
+        self, model: StageModel, kv_cache: KVCache, sampler: Sampler | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:  # fmt: skip
+        self.model, self.kv_cache = model, kv_cache
+        self.stage = model.stage
+        self.sampler = sampler or Sampler(device=device)
+        self.device = torch.device(device)
+        self.requests: dict[str, RequestState] = {}
+        self.timing = StepTiming()
+        self.last_timing = StepTiming()
+        self.last_logits: torch.Tensor | None = None
+        """[N, V] float32 logits of the rows sampled in the last step (last stage only)."""
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig, seed: int | None = None) -> StageRunner:
+        """Load this stage's weights and allocate its KV cache from the budget."""
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_config = ModelConfig.from_dir(config.model_dir)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        stage = stage_spec(
+            model_config.num_hidden_layers, config.num_stages, config.stage_index,
+            config.layer_split,
+        )  # fmt: skip
+        model = load_stage_model(
+            config.model_dir, stage, config.dtype, config.attention_backend,
+            max_positions=max(max_model_len, model_config.max_position_embeddings),
+        ).to(config.device)  # fmt: skip
+        spec = KVCacheSpec(
+            stage.num_layers, model_config.num_key_value_heads, model_config.head_dim,
+            config.block_size, resolve_dtype(config.dtype),
+        )  # fmt: skip
+        kv_cache = KVCache.from_budget(spec, config.kv_cache_memory, max_model_len, config.device)
+        return cls(model, kv_cache, Sampler(seed, config.device), config.device)
+
+    # ---------------------------------------------------------------- plan deltas
+    def _apply_plan(self, plan: StepPlan, input_token_ids: dict[str, int] | None) -> ScheduledBatch:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        batch = ScheduledBatch([], [])
+        for new in plan.new_requests:
+            state = RequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
+                list(new.block_ids), new.num_computed_tokens,
+            )  # fmt: skip
+            self.requests[new.request_id] = state
+            batch.states.append(state)
+            batch.num_scheduled.append(new.num_scheduled_tokens)
+        for cached in plan.cached_requests:
+            state = self.requests.get(cached.request_id)
+            if state is None:
+                raise UnknownRequest(
+                    f"step {plan.step_id}: stage {self.stage.stage_index} does not hold request "
+                    f"{cached.request_id!r} (never sent as new, or already finished)"
+                )
+            state.block_ids.extend(cached.new_block_ids)
+            needed = state.num_computed_tokens + cached.num_scheduled_tokens
+            new_tokens = cached.new_token_ids
+            if not new_tokens and input_token_ids and cached.request_id in input_token_ids:
+                new_tokens = [input_token_ids[cached.request_id]]
+            if new_tokens:  # the plan (or the last stage) is authoritative for these tokens
+                del state.token_ids[needed - len(new_tokens) :]
+                state.token_ids.extend(new_tokens)
+            batch.states.append(state)
+            batch.num_scheduled.append(cached.num_scheduled_tokens)
+        return batch
+
+    # ---------------------------------------------------------------- inputs
+    def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, torch.Tensor | None]:
+        """Metadata (and stage 0's input ids) of the flattened batch, built in one pass."""
+        block_size = self.kv_cache.block_size
+        starts = [s.num_computed_tokens for s in batch.states]
+        query_lens = torch.tensor(batch.num_scheduled, dtype=torch.int64)
+        seq_lens = torch.tensor(starts, dtype=torch.int64) + query_lens  # [B]
+        max_blocks = max(len(s.block_ids) for s in batch.states)
+        block_tables = torch.tensor(
+            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.states],
+            dtype=torch.int64,
+        )  # [B, max_blocks]
+        query_start_loc = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))  # [B + 1]
+        num_tokens = int(query_start_loc[-1])
+        seq_of_row = torch.repeat_interleave(torch.arange(len(starts)), query_lens)  # [T]
+        positions = (
+            torch.arange(num_tokens)
+            - query_start_loc[seq_of_row]
+            + (seq_lens - query_lens)[seq_of_row]
+        )  # [T]
+        slot_mapping = (
+            block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        )  # [T]
+        input_ids = None
+        if self.stage.is_first:
+            ids: list[int] = []
+            for state, start, num in zip(batch.states, starts, batch.num_scheduled, strict=True):
+                ids.extend(state.token_ids[start : start + num])
+            if len(ids) != num_tokens:
+                raise ValueError("a scheduled request lacks the input tokens of this step")
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(
+            positions=positions.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
+            seq_lens=seq_lens.to(torch.int32).to(self.device),
+            block_tables=block_tables.to(torch.int32).to(self.device),
+            max_query_len=max(batch.num_scheduled),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return meta, input_ids
+
+    # ---------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(
+        self, plan: StepPlan, hidden_in: torch.Tensor | None = None,
+        input_token_ids: dict[str, int] | None = None,
+    ) -> torch.Tensor | StepResult:  # fmt: skip
+        """Run one step. Returns hidden states [T, hidden] (not last stage) or a StepResult.
+
+        Args:
+            plan: the step's plan (the same on every stage).
+            hidden_in: [T, hidden] from the previous stage (every stage but the first).
+            input_token_ids: async mode, stage 0: decode input tokens by request id, as sent
+                by the last stage instead of the plan's `new_token_ids`.
+        """
+        t0 = time.perf_counter()
+        batch = self._apply_plan(plan, input_token_ids)
+        if not batch.states:
+            return StepResult(plan.step_id, [], []) if self.stage.is_last else hidden_in
+        meta, input_ids = self._prepare(batch)
+        t1 = time.perf_counter()
+        hidden = self.model(
+            meta, self.kv_cache.layers, input_ids=input_ids, hidden_states=hidden_in
+        )
+        for state, num in zip(batch.states, batch.num_scheduled, strict=True):
+            state.num_computed_tokens += num
+        t2 = time.perf_counter()
+        out = self._sample(plan.step_id, batch, hidden, meta) if self.stage.is_last else hidden
+        t3 = time.perf_counter()
+        self.last_timing = StepTiming(t1 - t0, t2 - t1, t3 - t2, [(plan.step_id, t0, t3)])
+        self.timing.prepare_s += t1 - t0
+        self.timing.forward_s += t2 - t1
+        self.timing.sample_s += t3 - t2
+        self.timing.history.append((plan.step_id, t0, t3))
+        return out
+
+    def _sample(
+        self, step_id: int, batch: ScheduledBatch, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> StepResult:
+        """Logits for the rows that reach the end of their known tokens, then sample."""
+        rows, states = [], []
+        ends = meta.query_start_loc[1:].tolist()
+        for state, end in zip(batch.states, ends, strict=True):
+            if state.num_computed_tokens >= len(state.token_ids):
+                rows.append(end - 1)
+                states.append(state)
+        if not states:
+            return StepResult(step_id, [], [])
+        logits = self.model.compute_logits(hidden[rows])  # [N, V] float32
+        sampling_batch = SamplingBatch.from_requests(
+            [s.sampling for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.token_ids[s.num_prompt_tokens :] for s in states],
+            device=self.device,
+        )  # fmt: skip
+        output = self.sampler(logits, sampling_batch)
+        token_ids = output.token_ids.tolist()
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.token_ids.append(token_id)
+        self.last_logits = logits
+        return StepResult(step_id, [s.request_id for s in states], token_ids, output.logprobs)

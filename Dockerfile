@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# Conveyor image: one image for every service (`conveyor router|scheduler|worker|models|health`).
+#
+#   docker build -t conveyor:latest .                                   # CPU (default)
+#   docker build -t conveyor:cuda --build-arg BASE=cuda .               # CUDA 12.8 + NCCL + Triton
+#
+# No model is baked in: models live in a volume mounted at /models
+# (`conveyor models fetch smollm2-135m --dir /models`). Redis runs in its own container.
+
+# cpu | cuda: which base (and torch build) the final image uses.
+ARG BASE=cpu
+ARG PYTHON_IMAGE=python:3.11-slim
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+# ---- bases: the Python runtime, and where torch and which extras come from ----
+FROM ${PYTHON_IMAGE} AS base-cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+    CONVEYOR_EXTRAS=""
+
+FROM ${CUDA_IMAGE} AS base-cuda
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+    CONVEYOR_EXTRAS="cuda"
+
+# ---- build: a virtualenv with torch first (pinned, from the chosen index), then Conveyor ----
+FROM base-${BASE} AS build
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# Its own layer: torch is the big download and changes least often.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY services ./services
+COPY kernels ./kernels
+RUN if [ -n "${CONVEYOR_EXTRAS}" ]; then pip install ".[${CONVEYOR_EXTRAS}]"; else pip install .; fi \
+    && conveyor --help >/dev/null
+
+# ---- runtime: the virtualenv, a non-root user, an empty /models ----
+FROM base-${BASE} AS runtime
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    TOKENIZERS_PARALLELISM=false
+COPY --from=build /opt/venv /opt/venv
+# /models is owned by the service user so that a fresh named volume mounted there is writable
+# by `conveyor models fetch` (Docker copies the directory's owner into an empty volume).
+RUN groupadd --system --gid 10001 conveyor \
+    && useradd --system --uid 10001 --gid conveyor --create-home --home-dir /home/conveyor conveyor \
+    && mkdir -p /models \
+    && chown conveyor:conveyor /models
+USER 10001:10001
+WORKDIR /home/conveyor
+VOLUME ["/models"]
+# 50051 router (public gRPC), 50060 scheduler, 50061 worker, 29500 torch.distributed rendezvous.
+EXPOSE 50051 50060 50061 29500
+ENTRYPOINT ["conveyor"]
+CMD ["--help"]

@@ -1,0 +1,183 @@
+{{/* Chart name, truncated to the 63 characters DNS labels allow. */}}
+{{- define "conveyor.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Release-qualified name. Shorter than 63 so that "<fullname>-worker-<ordinal>" stays a valid
+pod name and hostname.
+*/}}
+{{- define "conveyor.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "conveyor.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Labels every pod of the release carries: the NetworkPolicy trusts them. */}}
+{{- define "conveyor.releaseSelector" -}}
+app.kubernetes.io/name: {{ include "conveyor.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Selector labels of one component: include "conveyor.selector" (list . "worker") */}}
+{{- define "conveyor.selector" -}}
+{{ include "conveyor.releaseSelector" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "conveyor.image" -}}
+{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{- define "conveyor.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "conveyor.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.modelDir" -}}
+{{- default (printf "/models/%s" .Values.model.name) .Values.model.dir }}
+{{- end }}
+
+{{- define "conveyor.workerName" -}}
+{{ include "conveyor.fullname" . }}-worker
+{{- end }}
+
+{{/* DNS name of stage i's pod: include "conveyor.workerHost" (list . i) */}}
+{{- define "conveyor.workerHost" -}}
+{{- $root := index . 0 -}}
+{{- $name := include "conveyor.workerName" $root -}}
+{{ $name }}-{{ index . 1 }}.{{ $name }}.{{ $root.Release.Namespace }}.svc.{{ $root.Values.clusterDomain }}
+{{- end }}
+
+{{/* Comma-separated gRPC addresses of every stage, stage 0 first (the scheduler's --workers). */}}
+{{- define "conveyor.workerAddrs" -}}
+{{- $addrs := list -}}
+{{- range $i := until (int .Values.pipeline.stages) -}}
+{{- $addrs = append $addrs (printf "%s:%d" (include "conveyor.workerHost" (list $ $i)) (int $.Values.worker.port)) -}}
+{{- end -}}
+{{ join "," $addrs }}
+{{- end }}
+
+{{- define "conveyor.schedulerHost" -}}
+{{ include "conveyor.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- end }}
+
+{{- define "conveyor.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "conveyor.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "conveyor.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "conveyor.fullname" . }}-redis.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.redis.port }}/0
+{{- else -}}
+{{- required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url -}}
+{{- end -}}
+{{- end }}
+
+{{/* The Redis password, always from a Secret. */}}
+{{- define "conveyor.redisPasswordEnv" -}}
+- name: CONVEYOR_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "conveyor.redisSecretName" . }}
+      key: {{ .Values.redis.auth.existingSecretPasswordKey }}
+{{- end }}
+
+{{/*
+The model volume and, without an existing claim, the init container that fetches into it.
+*/}}
+{{- define "conveyor.modelVolume" -}}
+- name: models
+{{- if .Values.model.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.fetch.emptyDirSizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.modelFetchInit" -}}
+{{- if not .Values.model.existingClaim }}
+initContainers:
+  - name: model-fetch
+    image: {{ include "conveyor.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    args: ["models", "fetch", {{ .Values.model.name | quote }}, "--dir", "/models"]
+    securityContext:
+      {{- toYaml .Values.securityContext | nindent 6 }}
+    resources:
+      {{- toYaml .Values.model.fetch.resources | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.modelMount" -}}
+- name: models
+  mountPath: /models
+  readOnly: true
+{{- end }}
+
+{{/* Native gRPC probes on a Conveyor service's port (grpc.health.v1, service ""). */}}
+{{- define "conveyor.grpcProbes" -}}
+{{- $port := index . 0 -}}
+{{- $startupFailures := index . 1 -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 10
+  failureThreshold: {{ $startupFailures }}
+readinessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
+{{- define "conveyor.metricsArgs" -}}
+{{- if .Values.metrics.enabled }}
+- --metrics-port={{ .Values.metrics.port }}
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.metricsPort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* Pod labels of components that serve metrics: the metrics Service selects them. */}}
+{{- define "conveyor.metricsLabel" -}}
+{{- if .Values.metrics.enabled }}
+conveyor.dev/metrics: "true"
+{{- end }}
+{{- end }}

@@ -1,0 +1,83 @@
+"""Incremental, UTF-8-safe detokenization for streaming (vLLM / TGI `decode_token`).
+
+A character may be split across tokens (byte-level BPE spells an emoji as up to four byte
+tokens). Decoding a token alone would then yield U+FFFD, so each step decodes a small
+window and emits only text that is final:
+
+    ids:   ... | prefix_offset ........ read_offset ........ len(ids)
+                 └ already emitted, kept ┘└ not yet emitted ┘
+                   as context
+
+    prefix_text = decode(ids[prefix_offset:read_offset])
+    new_text    = decode(ids[prefix_offset:])
+    emit new_text[len(prefix_text):] unless new_text ends with U+FFFD (wait for more bytes)
+
+The context window matters for tokenizers whose decode of a lone token differs from its
+decode in context (SentencePiece drops a leading space at the start of a string). The
+concatenation of every `step()` and the final `flush()` equals `decode(generated ids)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from services.router.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context, as in vLLM (INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """Per-request streaming state; feed generated ids to `step()`, call `flush()` at the end."""
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)  # context + generated ids not yet dropped
+    prefix_offset: int = 0
+    read_offset: int = 0
+    num_generated: int = 0
+
+    @classmethod
+    def for_prompt(
+        cls, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A detokenizer whose first tokens decode in the context of the prompt's tail."""
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, ids=context,
+                   prefix_offset=0, read_offset=len(context))  # fmt: skip
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append generated ids; return the text that became final (maybe "")."""
+        self.ids.extend(new_token_ids)
+        self.num_generated += len(new_token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing new, or a character still waits for its last bytes
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._drop_old_ids()
+        return delta
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._drop_old_ids()
+        return new_text[len(prefix_text) :]
+
+    def _drop_old_ids(self) -> None:
+        """Forget ids before the context window so that state stays small on long outputs."""
+        if self.prefix_offset:
+            del self.ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0

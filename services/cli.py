@@ -15,6 +15,7 @@ from services.common.logs import setup_logging
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("services.models.cli", "fetch the test model or write a tiny random one"),
+    "worker": ("services.worker.cli", "run one pipeline stage (a slice of the model's layers)"),
     "up": ("services.launcher", "start the whole stack on this machine"),
     "health": ("services.common.health_cli", "check a Conveyor service's gRPC health"),
 }

@@ -106,10 +106,12 @@ class DescribeResponse(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
-    __slots__ = ("include_steps",)
+    __slots__ = ("include_steps", "reset")
     INCLUDE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     include_steps: bool
-    def __init__(self, include_steps: _Optional[bool] = ...) -> None: ...
+    reset: bool
+    def __init__(self, include_steps: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns")

@@ -57,8 +57,8 @@ class StageWorkerServicer:
     """
 
     def Run(self, request_iterator, context):
-        """Runs step plans strictly in step order. Every stage answers one StepReport per plan
-        (timing); the last stage's reports also carry the sampled tokens.
+        """Runs step plans strictly in step order. The last stage answers one StepReport per
+        plan, with the sampled tokens; other stages answer only when a step fails.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,58 @@
+"""`conveyor worker` flags; the service itself is in services/worker/server.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--stage", type=int, default=0, help="this worker's stage, 0-based")
+    parser.add_argument("--stages", "--pipeline-parallel-size", dest="stages", type=int,
+                        default=1, help="stages in the pipeline (default: 1)")
+    parser.add_argument("--dist-addr", default="127.0.0.1:29500",
+                        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0")
+    parser.add_argument("--port", type=int, default=50061, help="gRPC port (default: 50061)")
+    parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--kv-cache-memory", default="1GiB",
+                        help="this stage's KV cache budget, e.g. 512MiB (default: 1GiB)")
+    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default: the model's context length)")
+    parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
+    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                        help="default: triton on cuda, torch on cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: cores / stages, at least 1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
+
+
+def build_config(args: argparse.Namespace):
+    from services.worker.config import WorkerConfig
+
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+    return WorkerConfig(
+        model_dir=args.model,
+        stage_index=args.stage,
+        num_stages=args.stages,
+        layer_split=[int(x) for x in args.layer_split.split(",")] if args.layer_split else None,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend or ("triton" if args.device == "cuda" else "torch"),
+        device=args.device,
+        num_threads=threads,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.worker.server import serve
+
+    asyncio.run(serve(args))
+    return 0

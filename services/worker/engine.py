@@ -1,0 +1,233 @@
+"""`StageEngine`: one stage's step loop, joining the runner to the stage transport.
+
+Plans arrive (from the scheduler's Run stream) in step order and are executed one at a time
+on a dedicated compute thread:
+
+    stage 0:   [async: take tokens of steps <= s-P from the last stage] → embed + layers → send
+    stage i:   recv hidden → layers → send
+    last:      recv hidden → layers → logits → sample → [async: send tokens to stage 0] → report
+
+Only the last stage reports each step; other stages report only failures. Every stage keeps
+a timeline (compute start/end and the time it waited for another stage) for the bubble.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.common.step import StepPlan, StepResult
+from services.worker.runner import StageRunner
+from services.worker.transport import StageTransport
+
+logger = logging.getLogger(__name__)
+
+_MAX_TIMELINE = 200_000
+# Gaps longer than this between two steps mean the pipeline had no work, not a bubble.
+_IDLE_GAP_NS = 500_000_000
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step as this stage lived it (wall-clock ns)."""
+
+    step_id: int
+    num_requests: int
+    num_tokens: int
+    start_ns: int
+    end_ns: int
+    wait_ns: int
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What the engine hands back for one plan: a result (last stage) or an error."""
+
+    step_id: int
+    record: StepRecord | None
+    result: StepResult | None = None
+    error: str | None = None
+
+
+class Timeline:
+    """Per-step records of a stage and its busy / bubble fractions."""
+
+    def __init__(self) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=_MAX_TIMELINE)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def fractions(self) -> tuple[float, float]:
+        """(busy, bubble) over the steps recorded, excluding idle gaps with no work."""
+        records = list(self.records)
+        if len(records) < 2:
+            return 0.0, 0.0
+        busy = sum(r.end_ns - r.start_ns for r in records)
+        wall = records[0].end_ns - records[0].start_ns
+        for prev, cur in zip(records, records[1:], strict=False):
+            gap = cur.start_ns - prev.end_ns
+            wall += cur.end_ns - cur.start_ns + (gap if gap < _IDLE_GAP_NS else 0)
+        busy_fraction = busy / wall if wall else 0.0
+        return busy_fraction, 1.0 - busy_fraction
+
+
+class StageEngine:
+    """Executes plans of one pipeline session, in order, on one compute thread."""
+
+    def __init__(self, runner: StageRunner, transport: StageTransport) -> None:
+        self.runner = runner
+        self.transport = transport
+        self._hidden_size = runner.model.config.hidden_size
+        self._dtype = next(runner.model.parameters()).dtype
+        self.timeline = Timeline()
+        self._plans: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._on_outcome: Callable[[StepOutcome], None] | None = None
+        self._pending_tokens: dict[str, int] = {}
+        self._sampling_ids: dict[int, list[str]] = {}  # stage 0, async: per step
+        self._registered_at: dict[str, int] = {}  # stage 0: step a request was last sent whole
+        self._next_token_step = 0
+        self._broken: str | None = None
+
+    @property
+    def stage(self) -> int:
+        return self.transport.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.transport.num_stages
+
+    def start(self, on_outcome: Callable[[StepOutcome], None]) -> None:
+        """Starts a session: connects the pipeline group on the compute thread."""
+        self._on_outcome = on_outcome
+        self._broken = None
+        self._thread = threading.Thread(target=self._loop, name=f"stage{self.stage}", daemon=True)
+        self._thread.start()
+
+    def submit(self, plan: StepPlan, tokens_from_last_stage: bool) -> None:
+        self._plans.put((plan, tokens_from_last_stage))
+
+    def stop(self) -> None:
+        """Ends the session: drops request state, closes the group, joins the thread."""
+        self._plans.put(None)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ----------------------------------------------------------------- compute thread
+    def _loop(self) -> None:
+        try:
+            self.transport.connect()
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler
+            logger.exception("stage %d could not join the pipeline", self.stage)
+            self._broken = f"stage {self.stage} could not join the pipeline: {exc}"
+        while True:
+            item = self._plans.get()
+            if item is None:
+                break
+            plan, tokens_from_last_stage = item
+            if self._broken:
+                self._emit(StepOutcome(plan.step_id, None, error=self._broken))
+                continue
+            try:
+                self._emit(self._execute(plan, tokens_from_last_stage))
+            except Exception as exc:  # noqa: BLE001 - the session is over; tell the scheduler
+                logger.exception("stage %d failed at step %d", self.stage, plan.step_id)
+                self._broken = f"stage {self.stage} failed at step {plan.step_id}: {exc}"
+                self._emit(StepOutcome(plan.step_id, None, error=self._broken))
+        self._reset_session()
+
+    def _reset_session(self) -> None:
+        with contextlib.suppress(Exception):  # a broken peer; the group is torn down anyway
+            self.transport.flush()
+        self.transport.close()
+        self.runner.requests.clear()
+        self._pending_tokens.clear()
+        self._sampling_ids.clear()
+        self._registered_at.clear()
+        self._next_token_step = 0
+
+    def _emit(self, outcome: StepOutcome) -> None:
+        if self._on_outcome is not None:
+            self._on_outcome(outcome)
+
+    def _execute(self, plan: StepPlan, tokens_from_last_stage: bool) -> StepOutcome:
+        t_wait = time.time_ns()
+        hidden_in, input_tokens = None, None
+        takes_tokens = tokens_from_last_stage and self.num_stages > 1
+        if self.transport.is_first:
+            for request_id in plan.finished_request_ids:
+                self._pending_tokens.pop(request_id, None)
+                self._registered_at.pop(request_id, None)
+            for new in plan.new_requests:
+                self._pending_tokens.pop(new.request_id, None)
+                self._registered_at[new.request_id] = plan.step_id
+            if takes_tokens:
+                self._receive_tokens(plan.step_id)
+                input_tokens = self._take_inputs(plan)
+        elif plan.num_requests:
+            hidden_in = self.transport.recv_hidden(
+                plan.num_scheduled_tokens, self._hidden_size, self._dtype
+            )
+        t_start = time.time_ns()
+        out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+        result = None
+        if self.transport.is_last:
+            result = out
+            if takes_tokens and result.token_ids:
+                self.transport.send_tokens(torch.tensor(result.token_ids, dtype=torch.int64))
+        elif plan.num_requests:
+            self.transport.send_hidden(out)
+        if self.transport.is_first and takes_tokens:
+            ids = self._sampling_request_ids(plan)
+            if ids:
+                self._sampling_ids[plan.step_id] = ids
+        t_end = time.time_ns()
+        record = StepRecord(
+            plan.step_id, plan.num_requests, plan.num_scheduled_tokens, t_start, t_end,
+            t_start - t_wait,
+        )  # fmt: skip
+        if plan.num_requests:
+            self.timeline.add(record)
+        return StepOutcome(plan.step_id, record, result=result)
+
+    def _sampling_request_ids(self, plan: StepPlan) -> list[str]:
+        """Stage 0: the requests that sample this step, in the runner's batch order."""
+        requests = self.runner.requests
+        ids = []
+        for entry in (*plan.new_requests, *plan.cached_requests):
+            state = requests.get(entry.request_id)
+            if state is not None and state.num_computed_tokens >= len(state.token_ids):
+                ids.append(entry.request_id)
+        return ids
+
+    def _receive_tokens(self, step_id: int) -> None:
+        """Stage 0, async: receives, in step order, the tokens of every step <= step_id - P."""
+        last_needed = step_id - self.num_stages
+        pending_steps = sorted(s for s in self._sampling_ids if s <= last_needed)
+        for step in pending_steps:
+            ids = self._sampling_ids.pop(step)
+            tokens = self.transport.recv_tokens(len(ids)).tolist()
+            for request_id, token in zip(ids, tokens, strict=True):
+                if self._registered_at.get(request_id, step + 1) <= step:
+                    self._pending_tokens[request_id] = token
+
+    def _take_inputs(self, plan: StepPlan) -> dict[str, int]:
+        inputs = {}
+        for cached in plan.cached_requests:
+            token = self._pending_tokens.pop(cached.request_id, None)
+            if token is not None:
+                inputs[cached.request_id] = token
+        return inputs

@@ -1,0 +1,174 @@
+"""`conveyor worker`: one pipeline stage as a gRPC service (thin edge over StageEngine)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.pb import logprobs_to_pb, plan_from_pb
+from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.engine import StageEngine, StepOutcome
+from services.worker.runner import StageRunner
+
+logger = logging.getLogger(__name__)
+
+_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
+
+
+def outcome_to_pb(outcome: StepOutcome, stage: int) -> worker_pb2.StepReport:
+    report = worker_pb2.StepReport(step_id=outcome.step_id, stage=stage)
+    if outcome.error:
+        report.error = outcome.error
+        return report
+    if outcome.record is not None:
+        report.compute_start_ns = outcome.record.start_ns
+        report.compute_end_ns = outcome.record.end_ns
+        report.wait_ns = outcome.record.wait_ns
+    result = outcome.result
+    if result is not None:
+        report.request_ids.extend(result.request_ids)
+        report.token_ids.extend(result.token_ids)
+        if result.logprobs:
+            for index, lp in enumerate(result.logprobs):
+                if lp is not None:
+                    report.logprobs_index.append(index)
+                    report.logprobs.append(logprobs_to_pb(lp))
+    return report
+
+
+class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
+    """One Run session at a time; each session is one pipeline process group."""
+
+    def __init__(
+        self, engine: StageEngine, model_name: str, eos_token_ids: list[int], max_model_len: int
+    ):
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.eos_token_ids = eos_token_ids
+        self._session_lock = asyncio.Lock()
+
+    async def Describe(self, request, context):
+        runner = self.engine.runner
+        spec = runner.model.stage
+        return worker_pb2.DescribeResponse(
+            stage=self.engine.stage,
+            num_stages=self.engine.num_stages,
+            first_layer=spec.layer_ids.start,
+            num_layers=spec.num_layers,
+            num_kv_blocks=runner.kv_cache.num_blocks,
+            block_size=runner.kv_cache.block_size,
+            ready=True,
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=runner.model.config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    async def GetTimeline(self, request, context):
+        timeline = self.engine.timeline
+        busy, bubble = timeline.fractions()
+        reply = worker_pb2.Timeline(
+            stage=self.engine.stage, busy_fraction=busy, bubble_fraction=bubble,
+            num_steps=len(timeline.records),
+        )  # fmt: skip
+        if request.include_steps:
+            reply.steps.extend(
+                worker_pb2.StepTiming(
+                    step_id=r.step_id, num_requests=r.num_requests, num_tokens=r.num_tokens,
+                    start_ns=r.start_ns, end_ns=r.end_ns, wait_ns=r.wait_ns,
+                )  # fmt: skip
+                for r in timeline.records
+            )
+        if request.reset:
+            timeline.clear()
+        return reply
+
+    async def Run(self, request_iterator, context):
+        if self._session_lock.locked():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stage {self.engine.stage} already runs a session for another scheduler",
+            )
+        async with self._session_lock:
+            loop = asyncio.get_running_loop()
+            reports: asyncio.Queue = asyncio.Queue()
+            is_last = self.engine.transport.is_last
+
+            def on_outcome(outcome: StepOutcome) -> None:
+                if is_last or outcome.error:
+                    loop.call_soon_threadsafe(reports.put_nowait, outcome)
+
+            self.engine.start(on_outcome)
+            reader = asyncio.create_task(self._read_plans(request_iterator))
+            try:
+                while True:
+                    getter = asyncio.create_task(reports.get())
+                    done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter in done:
+                        yield outcome_to_pb(getter.result(), self.engine.stage)
+                        continue
+                    getter.cancel()
+                    break  # the scheduler closed the stream
+            finally:
+                reader.cancel()
+                await asyncio.to_thread(self.engine.stop)
+                logger.info("stage %d: session ended", self.engine.stage)
+
+    async def _read_plans(self, request_iterator) -> None:
+        async for msg in request_iterator:
+            self.engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from services.worker.cli import build_config
+    from services.worker.transport import StageTransport
+
+    config = build_config(args)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [_SERVICE, reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
+        server,
+    )
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    logger.info("stage %d/%d: loading %s", args.stage, args.stages, args.model)
+    runner = await asyncio.to_thread(StageRunner.from_config, config, args.seed)
+    transport = StageTransport(args.stage, args.stages, args.dist_addr, torch.device(args.device))
+    model_dir = Path(args.model)
+    eos = runner.model.config.eos_token_ids
+    max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
+    servicer = StageWorkerServicer(
+        StageEngine(runner, transport), model_dir.name, list(eos), max_model_len
+    )
+    worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    layers = runner.model.stage.layer_ids
+    logger.info(
+        "stage %d/%d serving on port %d: layers %d-%d, %d KV blocks of %d tokens",
+        args.stage, args.stages, args.port, layers.start, layers.stop - 1,
+        runner.kv_cache.num_blocks, runner.kv_cache.block_size,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+
+

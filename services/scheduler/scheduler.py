@@ -1,0 +1,334 @@
+"""The step planner: which requests run in the next micro-batch, and what happens after.
+
+A service drives it like this::
+
+    scheduler = Scheduler(config, store)          # or Scheduler.recover(config, store)
+    scheduler.add_request(request)                # any time; QueueFull / PromptTooLong
+    plan = scheduler.schedule()                   # one StepPlan per global step id
+    ... send plan to every stage; last stage returns StepResult(step_id, ...) ...
+    deltas = scheduler.process_result(result)     # tokens appended, stop checks, Redis flush
+    scheduler.abort_request(request_id)           # any time
+
+Pipeline rules (DESIGN.md "Asynchronous scheduling"), with P = num_stages:
+
+* a request that samples a token at step s is planned again at step s + P at the earliest;
+  successive prefill chunks that sample nothing may go in consecutive steps;
+* sync: it also waits until that token was processed (`process_result`), and its next plan
+  carries the token (`CachedRequest.new_token_ids`);
+* async: it is planned without waiting (at most one result outstanding), with a KV slot for
+  the token stage 0 receives straight from the last stage. A request found finished late
+  has its extra token discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.common.errors import InvalidRequest, PromptTooLong, QueueFull, UnknownRequest
+from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policy import make_policy
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
+from services.scheduler.updates import StepOutputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Budget:
+    num_tokens: int
+    num_seqs: int
+
+
+class Scheduler:
+    """Owns the request queue, the running set and the KV block pool."""
+
+    def __init__(self, config: SchedulerConfig, store: StateStore | None = None):
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.policy = make_policy(config.policy)
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, waiting or running."""
+        self.running: dict[str, Request] = {}
+        self.outputs = StepOutputs(store)
+        self.num_preemptions = 0
+        self._next_step_id = 0
+        self._finished_ids: list[str] = []
+        self._charge = self.policy.charge if config.policy == "fair" else None
+
+    @classmethod
+    def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:
+        """A scheduler whose queue holds every unfinished request found in `store`: each
+        comes back WAITING with prompt + outputs so far, to be recomputed."""
+        scheduler = cls(config, store)
+        for request in store.load_unfinished():
+            scheduler.requests[request.request_id] = request
+            scheduler.policy.add(request)
+            scheduler.outputs.record_state(request)
+            finished = request.check_stop(config.max_model_len)
+            if finished is not None:  # its last token was logged just before the restart
+                scheduler._finish(request, finished)
+        logger.info("recovered %d unfinished requests", len(scheduler.requests))
+        return scheduler
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (persisted first). Raises `QueueFull`, `PromptTooLong`,
+        `InvalidRequest`, or `StateStoreError` (then nothing is queued)."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"request id {request.request_id} is already in use")
+        if request.num_tokens >= cfg.max_model_len:
+            raise PromptTooLong(
+                f"request {request.request_id}: prompt of {request.num_tokens} tokens leaves "
+                f"no room to generate under max_model_len={cfg.max_model_len}"
+            )
+        if len(self.policy) >= cfg.max_waiting:
+            raise QueueFull(
+                f"{len(self.policy)} requests are waiting (max_waiting={cfg.max_waiting}): "
+                "retry later or add capacity"
+            )
+        self.outputs.persist_new(request)
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request as aborted, wherever it is; its blocks are freed now and the
+        workers drop it at the next plan. Raises `UnknownRequest` if it is not unfinished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise UnknownRequest(f"request {request_id} is not running or waiting here")
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """Finish a request as FAILED with a reason (e.g. a worker rejected it)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise UnknownRequest(f"request {request_id} is not running or waiting here")
+        self._finish(request, RequestStatus.FAILED, reason)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- planning --------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan the next global step: running decodes first, then prefill chunks."""
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        plan = StepPlan(step_id=step_id, finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        is_async = self.config.is_async
+        max_pending = 1 if is_async else 0
+        scheduled: set[str] = set()
+        partial: list[Request] = []
+        num_preempted = self.num_preemptions
+
+        # decode
+        for request in list(self.running.values()):
+            if budget.num_seqs == 0:
+                break
+            if (
+                request.next_step_id > step_id
+                or len(request.pending_step_ids) > max_pending
+                or request.status is not RequestStatus.RUNNING
+            ):
+                continue
+            num_known = request.num_tokens + (len(request.pending_step_ids) if is_async else 0)
+            remaining = num_known - request.num_computed_tokens
+            if remaining > 1:
+                partial.append(request)
+            elif remaining == 1 and budget.num_tokens > 0 and self._may_decode(request):
+                self._schedule_cached(plan, request, 1, num_known, budget, scheduled)
+
+        # prefill: chunks of prompts already running, then new (or resumed) requests
+        for request in partial:
+            if budget.num_tokens == 0 or budget.num_seqs == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            num_known = request.num_tokens + (len(request.pending_step_ids) if is_async else 0)
+            num_new = self._chunk(num_known - request.num_computed_tokens, budget.num_tokens)
+            if num_new:
+                self._schedule_cached(plan, request, num_new, num_known, budget, scheduled)
+        if self.num_preemptions == num_preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _may_decode(self, request: Request) -> bool:
+        # Never plan a token the request cannot keep (max_tokens, max_model_len).
+        num_pending = len(request.pending_step_ids)
+        return (
+            request.num_output_tokens + num_pending < request.sampling.max_tokens
+            and request.num_tokens + num_pending < self.config.max_model_len
+        )
+
+    def _chunk(self, num_remaining: int, num_budget: int) -> int:
+        if num_remaining <= num_budget:
+            return num_remaining
+        return num_budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule_cached(
+        self,
+        plan: StepPlan,
+        request: Request,
+        num_new: int,
+        num_known: int,
+        budget: _Budget,
+        scheduled: set[str],
+    ) -> None:
+        num_slots = request.num_computed_tokens + num_new
+        if not self._make_room(request, num_slots, scheduled, plan):
+            return
+        new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
+        new_token_ids: list[int] = []
+        if not self.config.is_async and request.num_tokens_on_workers != request.num_tokens:
+            new_token_ids = request.token_ids[request.num_tokens_on_workers :]
+            request.num_tokens_on_workers = request.num_tokens
+        plan.cached_requests.append(
+            CachedRequest(request.request_id, num_new, new_block_ids, new_token_ids)
+        )
+        self._after_scheduled(plan.step_id, request, num_new, num_known, budget, scheduled)
+
+    def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
+        bm = self.block_manager
+        while budget.num_tokens > 0 and budget.num_seqs > 0:
+            request = self.policy.peek()
+            if request is None:
+                break
+            prefix = bm.find_cached_prefix(request.token_ids, request.extra_key)
+            num_cached = prefix.num_tokens(bm.block_size)
+            num_new = self._chunk(request.num_tokens - num_cached, budget.num_tokens)
+            if num_new == 0 or not bm.can_allocate(request.request_id, num_cached + num_new, prefix):
+                break
+            self.policy.pop()
+            block_ids = bm.allocate(request.request_id, num_cached + num_new, prefix, request.extra_key)
+            request.transition(RequestStatus.RUNNING)
+            self.outputs.record_state(request)
+            request.num_computed_tokens = num_cached
+            request.num_tokens_on_workers = request.num_tokens
+            plan.new_requests.append(
+                NewRequest(
+                    request_id=request.request_id,
+                    token_ids=list(request.token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling=request.sampling,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_cached,
+                    num_scheduled_tokens=num_new,
+                )
+            )
+            self.running[request.request_id] = request
+            self._after_scheduled(
+                plan.step_id, request, num_new, request.num_tokens, budget, set()
+            )
+
+    def _after_scheduled(
+        self,
+        step_id: int,
+        request: Request,
+        num_new: int,
+        num_known: int,
+        budget: _Budget,
+        scheduled: set[str],
+    ) -> None:
+        request.num_computed_tokens += num_new
+        budget.num_tokens -= num_new
+        budget.num_seqs -= 1
+        scheduled.add(request.request_id)
+        if request.num_computed_tokens == num_known:  # this step samples a token
+            request.pending_step_ids.append(step_id)
+            request.next_step_id = step_id + self.config.num_stages
+        else:
+            request.next_step_id = step_id + 1
+        self.block_manager.cache_full_blocks(
+            request.request_id, request.token_ids, request.num_computed_tokens
+        )
+        if self._charge is not None:
+            self._charge(request, num_new)
+
+    # -- preemption ------------------------------------------------------------------------
+    def _make_room(
+        self, request: Request, num_slots: int, scheduled: set[str], plan: StepPlan
+    ) -> bool:
+        """Preempt until `request` can grow to `num_slots`; False if it was preempted itself."""
+        while not self.block_manager.can_allocate(request.request_id, num_slots):
+            victim = max(
+                (r for r in self.running.values() if r.request_id not in scheduled),
+                key=lambda r: (r.priority, r.arrival_time),
+            )
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free the request's blocks and put it back at the front of the queue; it will be
+        recomputed from prompt + outputs so far. Workers drop it with this plan."""
+        logger.debug("preempting %s", request.request_id)
+        self.block_manager.free(request.request_id)
+        request.transition(RequestStatus.PREEMPTED)
+        self.outputs.record_state(request)
+        self._forget_on_workers(request, plan.finished_request_ids)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        del self.running[request.request_id]
+        self.policy.requeue(request)
+
+    def _forget_on_workers(self, request: Request, finished_ids: list[str]) -> None:
+        request.pending_step_ids.clear()  # results of in-flight steps are discarded
+        request.next_step_id = 0
+        if request.num_tokens_on_workers is not None:
+            finished_ids.append(request.request_id)
+            request.num_tokens_on_workers = None
+
+    def _finish(self, request: Request, status: RequestStatus, reason: str | None = None) -> None:
+        if request.status is RequestStatus.WAITING or request.status is RequestStatus.PREEMPTED:
+            self.policy.remove(request)
+        request.transition(status, reason)
+        self.outputs.record_state(request)
+        self.block_manager.free(request.request_id)
+        self._forget_on_workers(request, self._finished_ids)
+        self.running.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    # -- results ---------------------------------------------------------------------------
+    def process_result(self, result: StepResult) -> list[TokenDelta]:
+        """Append the sampled tokens of one step, finish requests that hit a stop condition,
+        persist the step in one store round trip, and return the deltas to stream.
+
+        Tokens of requests that finished or were preempted since the step was planned are
+        discarded. Raises `StateStoreError` if the store is down; the writes and deltas are
+        kept and go out with the next successful call.
+        """
+        step_id = result.step_id
+        logprobs = result.logprobs or [None] * len(result.request_ids)
+        for request_id, token_id, lp in zip(result.request_ids, result.token_ids, logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if not request.pending_step_ids or request.pending_step_ids[0] != step_id:
+                logger.debug("discarding token of %s from step %d", request_id, step_id)
+                continue
+            request.pending_step_ids.pop(0)
+            request.append_output(token_id)
+            finished = request.check_stop(self.config.max_model_len)
+            self.outputs.record_token(request, token_id, lp, finished)
+            if finished is not None:
+                self._finish(request, finished)
+        return self.outputs.flush()
+
+    def updates_pending(self) -> list[RequestUpdate]:
+        """State changes not yet persisted (for tests and diagnostics)."""
+        return self.outputs.pending_updates()

@@ -1,0 +1,54 @@
+"""Records the scheduler hands out and the interface of its state store.
+
+Pure: the Redis implementation lives in `services/scheduler/store.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.step import TokenLogprobs
+from services.scheduler.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New output tokens of one request, for streaming to the router."""
+
+    request_id: str
+    token_ids: list[int]
+    offset: int
+    """Index in the request's output of `token_ids[0]` (a resuming stream skips to it)."""
+    finish_reason: str | None = None
+    """`stop`, `length`, `abort` or `error` when this delta ends the request."""
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """Everything that changed for one request since the last flush to the store."""
+
+    request_id: str
+    status: RequestStatus | None = None
+    """New state, or None when only tokens were appended."""
+    reason: str | None = None
+    offset: int = 0
+    """Output index of `token_ids[0]`: the store appends only tokens it does not have."""
+    token_ids: list[int] = field(default_factory=list)
+
+
+class StateStore(Protocol):
+    """Where request state survives a scheduler restart (Redis in production)."""
+
+    round_trips: int
+
+    def add(self, request: Request) -> None:
+        """Persist a new request (prompt, params, tenant, priority) before it is queued."""
+
+    def apply(self, updates: list[RequestUpdate]) -> None:
+        """Persist one step's state changes and appended tokens in one round trip.
+        Idempotent: applying the same updates twice appends nothing twice."""
+
+    def load_unfinished(self) -> list[Request]:
+        """Every unfinished request, WAITING, with prompt and outputs so far, oldest first."""

@@ -1,0 +1,86 @@
+"""What one step changed: state writes for the store and token deltas for the router.
+
+The scheduler records every state change and appended token here while it plans and
+processes results; `flush()` sends them to the store in one round trip and returns the
+deltas. If the store is down, both stay buffered (and merge with the next step's), so no
+token is lost or streamed before it is persisted; the store's appends are offset-checked, so
+a flush that half-reached Redis and is sent again appends nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.step import TokenLogprobs
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutputs:
+    """Buffers one step's writes and deltas until `flush()`."""
+
+    def __init__(self, store: StateStore | None):
+        self.store = store
+        self._updates: dict[str, RequestUpdate] = {}
+        self._deltas: dict[str, TokenDelta] = {}
+
+    def persist_new(self, request: Request) -> None:
+        """Write a new request now (its own round trip): a submission is acknowledged only
+        once it would survive a restart."""
+        if self.store is not None:
+            self.store.add(request)
+
+    def record_state(self, request: Request) -> None:
+        if self.store is None:
+            return
+        update = self._update(request.request_id)
+        update.status = request.status
+        update.reason = request.fail_reason
+
+    def record_token(
+        self,
+        request: Request,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        finished: RequestStatus | None,
+    ) -> None:
+        """`token_id` was just appended to `request`'s output."""
+        offset = request.num_output_tokens - 1
+        if self.store is not None:
+            update = self._update(request.request_id)
+            if not update.token_ids:
+                update.offset = offset
+            update.token_ids.append(token_id)
+        delta = self._deltas.get(request.request_id)
+        if delta is None:
+            delta = self._deltas[request.request_id] = TokenDelta(
+                request.request_id, [], offset, logprobs=[]
+            )
+        delta.token_ids.append(token_id)
+        delta.logprobs.append(logprobs)
+        if finished is not None:
+            delta.finish_reason = finished.finish_reason
+
+    def flush(self) -> list[TokenDelta]:
+        """Persist the buffered writes (one round trip) and hand out the buffered deltas.
+        Raises `StateStoreError` and keeps both buffered when the store is down."""
+        if self.store is not None and self._updates:
+            self.store.apply(list(self._updates.values()))
+            self._updates.clear()
+        deltas = list(self._deltas.values())
+        self._deltas.clear()
+        for delta in deltas:
+            if not any(delta.logprobs):
+                delta.logprobs = None
+        return deltas
+
+    def pending_updates(self) -> list[RequestUpdate]:
+        return list(self._updates.values())
+
+    def _update(self, request_id: str) -> RequestUpdate:
+        update = self._updates.get(request_id)
+        if update is None:
+            update = self._updates[request_id] = RequestUpdate(request_id)
+        return update

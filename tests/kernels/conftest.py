@@ -1,9 +1,15 @@
-"""Runs the Triton kernels on CPU in Triton's interpreter.
+"""Runs the Triton kernels on CPU in Triton's interpreter, without leaking that mode.
 
-Triton picks interpreter or compiler when a `@triton.jit` function is *defined*, so the
-kernel modules are imported here with TRITON_INTERPRET=1 and the variable is then put back
-as it was: other test areas (and the worker processes they start) never see it, and the
-kernels stay interpreted because they were defined that way.
+Triton decides interpreter vs compiler when a `@triton.jit` function is *defined* - its own
+standard library (tl.sum, tl.cdiv, ...) included, at `import triton` - and reads the
+TRITON_INTERPRET knob again at a few points while running. So:
+
+* at collection, triton and the kernel modules are imported with TRITON_INTERPRET=1 and
+  the variable is put back as it was. If another test area imported triton earlier (e.g.
+  through transformers), that compiled-mode triton is dropped from sys.modules first and
+  imported again; modules that hold the old one keep it, unused on CPU;
+* an autouse fixture sets TRITON_INTERPRET=1 only while each kernel test runs, so no other
+  test (nor the worker processes they start) sees it.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import importlib
 import os
 import sys
 
+import pytest
+
 _KERNEL_MODULES = (
+    "kernels._checks",
     "kernels.paged_attention",
     "kernels.reshape_and_cache",
     "kernels.rms_norm",
@@ -22,16 +31,36 @@ _KERNEL_MODULES = (
 )
 
 
+def _is_triton_interpreted() -> bool:
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.sum, InterpretedFunction)
+
+
+def _is_triton_python_module(name: str) -> bool:
+    is_triton = name == "triton" or name.startswith("triton.")
+    return is_triton and not name.startswith("triton._C")
+
+
 def _import_interpreted() -> None:
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        if "triton" in sys.modules and not _is_triton_interpreted():
+            # The compiled extension (triton._C) stays: it cannot be loaded twice.
+            for name in [n for n in sys.modules if _is_triton_python_module(n)]:
+                del sys.modules[name]
         for name in _KERNEL_MODULES:
-            # A module imported earlier in this process (compiled mode) is re-defined.
-            if name in sys.modules:
-                importlib.reload(sys.modules[name])
-            else:
-                importlib.import_module(name)
+            sys.modules.pop(name, None)
+        import triton  # noqa: F401
+
+        try:  # imported lazily at the first launch; it insists on the interpreter knob
+            importlib.import_module("triton.experimental.gluon")
+        except ImportError:
+            pass
+        for name in _KERNEL_MODULES:
+            importlib.import_module(name)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -40,3 +69,9 @@ def _import_interpreted() -> None:
 
 
 _import_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret(monkeypatch):
+    """Triton reads the knob while running, too: keep it on during each kernel test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

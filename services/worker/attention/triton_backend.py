@@ -1,0 +1,34 @@
+"""Attention backend on the Triton kernels (CUDA): write the new K/V, then paged attention.
+
+Same contract as `services.worker.attention.torch_backend.paged_attention_forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from services.worker.attention.metadata import AttentionMetadata
+
+
+def paged_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Caches k, v at meta.slot_mapping and attends every query row over its sequence.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hkv, D] this step's projections (after RoPE).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] this layer's cache, updated in place.
+        meta: the batch (see AttentionMetadata); scale: softmax scale.
+    Returns:
+        [T, Hq, D] attention output in q's dtype.
+    """
+    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale)

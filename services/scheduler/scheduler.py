@@ -117,6 +117,11 @@ class Scheduler:
         return len(self.policy)
 
     @property
+    def next_step_id(self) -> int:
+        """Global id the next `schedule()` gives its plan."""
+        return self._next_step_id
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -209,10 +214,14 @@ class Scheduler:
             prefix = bm.find_cached_prefix(request.token_ids, request.extra_key)
             num_cached = prefix.num_tokens(bm.block_size)
             num_new = self._chunk(request.num_tokens - num_cached, budget.num_tokens)
-            if num_new == 0 or not bm.can_allocate(request.request_id, num_cached + num_new, prefix):
+            if num_new == 0 or not bm.can_allocate(
+                request.request_id, num_cached + num_new, prefix
+            ):
                 break
             self.policy.pop()
-            block_ids = bm.allocate(request.request_id, num_cached + num_new, prefix, request.extra_key)
+            block_ids = bm.allocate(
+                request.request_id, num_cached + num_new, prefix, request.extra_key
+            )
             request.transition(RequestStatus.RUNNING)
             self.outputs.record_state(request)
             request.num_computed_tokens = num_cached
@@ -229,9 +238,7 @@ class Scheduler:
                 )
             )
             self.running[request.request_id] = request
-            self._after_scheduled(
-                plan.step_id, request, num_new, request.num_tokens, budget, set()
-            )
+            self._after_scheduled(plan.step_id, request, num_new, request.num_tokens, budget, set())
 
     def _after_scheduled(
         self,
@@ -314,7 +321,13 @@ class Scheduler:
         """
         step_id = result.step_id
         logprobs = result.logprobs or [None] * len(result.request_ids)
-        for request_id, token_id, lp in zip(result.request_ids, result.token_ids, logprobs):
+        if not len(result.request_ids) == len(result.token_ids) == len(logprobs):
+            raise ValueError(
+                f"step {step_id} result is malformed: {len(result.request_ids)} request ids, "
+                f"{len(result.token_ids)} tokens, {len(logprobs)} logprobs (must be equal)"
+            )
+        triples = zip(result.request_ids, result.token_ids, logprobs, strict=True)
+        for request_id, token_id, lp in triples:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue

@@ -43,22 +43,35 @@ def outcome_to_pb(outcome: StepOutcome, stage: int) -> worker_pb2.StepReport:
 
 
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
-    """One Run session at a time; each session is one pipeline process group."""
+    """One Run session at a time; each session is one pipeline process group.
 
-    def __init__(
-        self, engine: StageEngine, model_name: str, eos_token_ids: list[int], max_model_len: int
-    ):
-        self.engine = engine
-        self.max_model_len = max_model_len
+    Registered before the server starts (gRPC requires it); `engine` is set once the stage
+    is loaded, and until then Describe says not ready and Run answers UNAVAILABLE.
+    """
+
+    def __init__(self, stage: int, num_stages: int, model_name: str):
+        self.stage, self.num_stages = stage, num_stages
         self.model_name = model_name
-        self.eos_token_ids = eos_token_ids
+        self.engine: StageEngine | None = None
+        self.eos_token_ids: list[int] = []
+        self.max_model_len = 0
         self._session_lock = asyncio.Lock()
 
+    def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.engine = engine
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
     async def Describe(self, request, context):
+        if self.engine is None:
+            return worker_pb2.DescribeResponse(
+                stage=self.stage, num_stages=self.num_stages, ready=False,
+                model_name=self.model_name,
+            )  # fmt: skip
         runner = self.engine.runner
         spec = runner.model.stage
         return worker_pb2.DescribeResponse(
-            stage=self.engine.stage,
+            stage=self.stage,
             num_stages=self.engine.num_stages,
             first_layer=spec.layer_ids.start,
             num_layers=spec.num_layers,
@@ -72,10 +85,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         )
 
     async def GetTimeline(self, request, context):
+        if self.engine is None:
+            return worker_pb2.Timeline(stage=self.stage)
         timeline = self.engine.timeline
         busy, bubble = timeline.fractions()
         reply = worker_pb2.Timeline(
-            stage=self.engine.stage, busy_fraction=busy, bubble_fraction=bubble,
+            stage=self.stage, busy_fraction=busy, bubble_fraction=bubble,
             num_steps=len(timeline.records),
         )  # fmt: skip
         if request.include_steps:
@@ -91,10 +106,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         return reply
 
     async def Run(self, request_iterator, context):
+        if self.engine is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"stage {self.stage} is still loading its model"
+            )
         if self._session_lock.locked():
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"stage {self.engine.stage} already runs a session for another scheduler",
+                f"stage {self.stage} already runs a session for another scheduler",
             )
         async with self._session_lock:
             loop = asyncio.get_running_loop()
@@ -112,14 +131,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     getter = asyncio.create_task(reports.get())
                     done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
                     if getter in done:
-                        yield outcome_to_pb(getter.result(), self.engine.stage)
+                        yield outcome_to_pb(getter.result(), self.stage)
                         continue
                     getter.cancel()
                     break  # the scheduler closed the stream
             finally:
                 reader.cancel()
                 await asyncio.to_thread(self.engine.stop)
-                logger.info("stage %d: session ended", self.engine.stage)
+                logger.info("stage %d: session ended", self.stage)
 
     async def _read_plans(self, request_iterator) -> None:
         async for msg in request_iterator:
@@ -142,19 +161,18 @@ async def serve(args: argparse.Namespace) -> None:
         [_SERVICE, reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
         server,
     )
+    model_dir = Path(args.model)
+    servicer = StageWorkerServicer(args.stage, args.stages, model_dir.name)
+    worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, server)
     server.add_insecure_port(f"{args.host}:{args.port}")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     logger.info("stage %d/%d: loading %s", args.stage, args.stages, args.model)
     runner = await asyncio.to_thread(StageRunner.from_config, config, args.seed)
     transport = StageTransport(args.stage, args.stages, args.dist_addr, torch.device(args.device))
-    model_dir = Path(args.model)
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
-    servicer = StageWorkerServicer(
-        StageEngine(runner, transport), model_dir.name, list(eos), max_model_len
-    )
-    worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, server)
+    servicer.set_engine(StageEngine(runner, transport), list(eos), max_model_len)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     layers = runner.model.stage.layer_ids

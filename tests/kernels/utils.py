@@ -37,17 +37,23 @@ def make_batch(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    tables = [[pool.pop() for _ in range(n)] for n in blocks_per_seq]
+    return metadata_for(seqs, tables, block_size), k_cache, v_cache
+
+
+def metadata_for(
+    seqs: list[tuple[int, int]], tables: list[list[int]], block_size: int
+) -> AttentionMetadata:
+    """AttentionMetadata of sequences (context_len_before, query_len) with these block ids."""
+    block_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int32)
     positions, slots = [], []
-    for i, ((ctx, qlen), n) in enumerate(zip(seqs, blocks_per_seq)):
-        table = [pool.pop() for _ in range(n)]
-        block_tables[i, :n] = torch.tensor(table, dtype=torch.int32)
+    for i, ((ctx, qlen), table) in enumerate(zip(seqs, tables)):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         for pos in range(ctx, ctx + qlen):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     query_lens = [qlen for _, qlen in seqs]
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
@@ -56,7 +62,6 @@ def make_batch(
         max_query_len=max(query_lens),
         max_seq_len=max(ctx + qlen for ctx, qlen in seqs),
     )
-    return meta, k_cache, v_cache
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:

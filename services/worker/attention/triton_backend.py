@@ -29,6 +29,10 @@ def paged_attention_forward(
         meta: the batch (see AttentionMetadata); scale: softmax scale.
     Returns:
         [T, Hq, D] attention output in q's dtype.
+
+    Like the torch backend, a cache of another dtype than q (e.g. an fp32 cache under a
+    bf16 stage) is allowed: k, v, q are cast to the cache's dtype, the output back to q's.
     """
-    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale)
+    cache_dtype = k_cache.dtype
+    reshape_and_cache(k.to(cache_dtype), v.to(cache_dtype), k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q.to(cache_dtype), k_cache, v_cache, meta, scale).to(q.dtype)

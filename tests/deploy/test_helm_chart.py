@@ -278,3 +278,14 @@ def test_install_notes_tell_how_to_call_the_router():
     notes = done.stdout.split("NOTES:", 1)[1]
     assert "grpcurl -plaintext" in notes
     assert "svc/conv-conveyor-router" in notes
+
+
+def test_block_size_is_the_same_for_scheduler_and_workers(tmp_path):
+    docs = render("--set", "pipeline.blockSize=32")
+    sts = one(docs, "StatefulSet", "worker")
+    (worker,) = containers(sts)
+    assert (
+        flags(worker_argv(worker, f"{sts['metadata']['name']}-0", tmp_path))["--block-size"] == "32"
+    )
+    (scheduler,) = containers(one(docs, "Deployment", "scheduler"))
+    assert flags(container_argv(scheduler))["--block-size"] == "32"

@@ -1,0 +1,129 @@
+"""docker-compose.yml: the Compose v2 binary accepts it, and the stack it describes starts in a
+working order (fetch once, both stages at one rendezvous, scheduler over both, router published)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.utils import REPO, clean_env, compose_binary, flags
+
+COMPOSE_FILE = REPO / "docker-compose.yml"
+CONVEYOR_SERVICES = ("model-fetch", "worker-0", "worker-1", "scheduler", "router")
+
+
+def compose(project_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(compose_binary()), "--project-directory", str(project_dir),
+           "-f", str(project_dir / "docker-compose.yml"), *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
+
+
+@pytest.fixture(scope="module")
+def stack() -> dict:
+    """The resolved model (anchors merged, variables at their defaults)."""
+    done = compose(REPO, "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["services"]
+
+
+def test_compose_config_accepts_the_file():
+    done = compose(REPO, "config", "-q")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("condition: service_completed_successfully", "condition: service_finished"),
+        ("      worker-1:\n        condition: service_healthy",
+         "      worker-9:\n        condition: service_healthy"),
+    ],
+    ids=["bad-condition", "unknown-dependency"],
+)  # fmt: skip
+def test_compose_config_rejects_a_broken_copy(tmp_path, old, new):
+    text = COMPOSE_FILE.read_text()
+    assert old in text
+    (tmp_path / "docker-compose.yml").write_text(text.replace(old, new, 1))
+    shutil.copy(REPO / "Dockerfile", tmp_path / "Dockerfile")
+    done = compose(tmp_path, "config", "-q")
+    assert done.returncode != 0
+
+
+def test_only_the_router_is_published(stack):
+    published = {name for name, svc in stack.items() if svc.get("ports")}
+    assert published == {"router"}
+    (port,) = stack["router"]["ports"]
+    assert (port["target"], port["published"]) == (50051, "50051")
+
+
+def test_model_fetched_once_before_anything_that_reads_it(stack):
+    fetch = stack["model-fetch"]
+    assert fetch["restart"] == "no"
+    assert fetch["command"][:3] == ["models", "fetch", "smollm2-135m"]
+    assert flags(fetch["command"])["--dir"] == "/models"
+    for name in ("worker-0", "worker-1", "router"):
+        depends = stack[name]["depends_on"]["model-fetch"]
+        assert depends["condition"] == "service_completed_successfully", name
+        mount = next(v for v in stack[name]["volumes"] if v["target"] == "/models")
+        assert mount["source"] == "models" and mount.get("read_only"), name
+
+
+def test_workers_form_one_two_stage_pipeline(stack):
+    argvs = {name: flags(stack[name]["command"]) for name in ("worker-0", "worker-1")}
+    assert [stack[n]["command"][0] for n in argvs] == ["worker", "worker"]
+    assert [argvs[n]["--stage"] for n in ("worker-0", "worker-1")] == ["0", "1"]
+    assert {a["--stages"] for a in argvs.values()} == {"2"}
+    # both meet at stage 0's rendezvous; neither waits for the other (it would never start)
+    assert {a["--dist-addr"] for a in argvs.values()} == {"worker-0:29500"}
+    for name in argvs:
+        assert not {"worker-0", "worker-1"} & set(stack[name].get("depends_on", {}))
+
+
+def test_scheduler_waits_for_redis_and_lists_both_stages(stack):
+    scheduler = stack["scheduler"]
+    got = flags(scheduler["command"])
+    ports = [flags(stack[n]["command"])["--port"] for n in ("worker-0", "worker-1")]
+    assert got["--workers"] == f"worker-0:{ports[0]},worker-1:{ports[1]}"
+    assert got["--redis-url"] == "redis://redis:6379/0"  # no password in the URL
+    assert scheduler["environment"]["CONVEYOR_REDIS_PASSWORD"] == stack["redis"]["environment"][
+        "REDIS_PASSWORD"]  # fmt: skip
+    conditions = {k: v["condition"] for k, v in scheduler["depends_on"].items()}
+    assert conditions == {"redis": "service_healthy", "worker-0": "service_healthy",
+                          "worker-1": "service_healthy"}  # fmt: skip
+    router = flags(stack["router"]["command"])
+    assert router["--scheduler"] == f"scheduler:{got['--port']}"
+    assert stack["router"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+
+
+def test_healthchecks_use_conveyor_health_on_each_service_port(stack):
+    for name in ("worker-0", "worker-1", "scheduler", "router"):
+        port = flags(stack[name]["command"])["--port"]
+        assert stack[name]["healthcheck"]["test"] == ["CMD", "conveyor", "health",
+                                                      f"127.0.0.1:{port}"], name  # fmt: skip
+        assert stack[name]["restart"] == "unless-stopped"
+    redis = stack["redis"]
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert any(v["source"] == "redis-data" and v["type"] == "volume" for v in redis["volumes"])
+
+
+def test_every_interpolated_variable_is_documented():
+    text = COMPOSE_FILE.read_text()
+    used = set(re.findall(r"\$\{(CONVEYOR_[A-Z_]+)", text))
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    docs = (REPO / "docs" / "deployment.md").read_text()
+    assert used, "no variables found: the pattern is stale"
+    for var in sorted(used):
+        assert var in header, f"{var} is not described in docker-compose.yml's header"
+        assert var in docs, f"{var} is not described in docs/deployment.md"
+
+
+def test_one_image_for_every_conveyor_service(stack):
+    images = {stack[name]["image"] for name in CONVEYOR_SERVICES}
+    assert images == {"conveyor:latest"}
+    for name in CONVEYOR_SERVICES:
+        assert stack[name]["build"]["args"]["BASE"] == "cpu"

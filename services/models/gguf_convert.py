@@ -155,7 +155,9 @@ def _check_weights(weights: dict[str, np.ndarray], hparams: LlamaHParams) -> Non
                 raise ModelLoadError(f"GGUF file lacks layer {layer}'s {hf_name}")
 
 
-def llama_config(hparams: LlamaHParams, *, tie_word_embeddings: bool, bos_id, eos_id, pad_id) -> dict:
+def llama_config(
+    hparams: LlamaHParams, *, tie_word_embeddings: bool, bos_id, eos_id, pad_id
+) -> dict:
     """The config.json of a LlamaForCausalLM with these hyper-parameters."""
     return {
         "architectures": ["LlamaForCausalLM"],

@@ -73,9 +73,13 @@ def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int]
         )
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    )
     tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel(
+        add_prefix_space=False, trim_offsets=True, use_regex=True
+    )
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     added = [
         AddedToken(token, special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
@@ -121,7 +125,9 @@ def write_tokenizer_files(reader, out_dir: Path, max_length: int) -> SpecialToke
     model = reader.fields.get("tokenizer.ggml.model")
     kind = None if model is None else model.contents()
     if kind != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer model is {kind!r}; only 'gpt2' (byte-level BPE) is supported")
+        raise ModelLoadError(
+            f"GGUF tokenizer model is {kind!r}; only 'gpt2' (byte-level BPE) is supported"
+        )
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
     merges = list(reader.fields["tokenizer.ggml.merges"].contents())
     types_field = reader.fields.get("tokenizer.ggml.token_type")

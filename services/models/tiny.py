@@ -101,7 +101,9 @@ def _validate(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: i
             f"hidden_size {hidden_size} must split into {num_heads} heads of an even size"
         )
     if num_heads % num_kv_heads:
-        raise ConfigError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        raise ConfigError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
     if vocab_size < TOKENIZER_VOCAB_SIZE:
         raise ConfigError(
             f"vocab_size {vocab_size} is smaller than the tiny tokenizer ({TOKENIZER_VOCAB_SIZE})"
@@ -164,5 +166,7 @@ def make_tiny_model(
     weights = _random_weights(hparams, tie_word_embeddings, seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
-    logger.info("wrote tiny %s (%d layers, hidden %d) to %s", architecture, num_layers, hidden_size, out)
+    logger.info(
+        "wrote tiny %s (%d layers, hidden %d) to %s", architecture, num_layers, hidden_size, out
+    )
     return out

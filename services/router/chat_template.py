@@ -99,7 +99,9 @@ def _normalize_messages(messages: list[dict]) -> list[dict]:
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequest(f"chat message {index} must be an object with 'role' and 'content'")
+            raise InvalidRequest(
+                f"chat message {index} must be an object with 'role' and 'content'"
+            )
         normalized.append({key: value for key, value in message.items() if value is not None})
     return normalized
 

@@ -102,7 +102,9 @@ class Tokenizer:
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
         special_ids = frozenset(
-            token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
+            token_id
+            for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special
         )
         return cls(backend=backend, special_tokens=special, eos_token_ids=eos_ids,
                    bos_token_id=None if bos_id is None else int(bos_id),

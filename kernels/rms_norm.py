@@ -64,9 +64,11 @@ def rms_norm(
         names.append("residual")
     check_same_dtype(names, tensors)
     check_device(_rms_norm_kernel, names, tensors)
-    for name, tensor in zip(names, tensors):
+    for name, tensor in zip(names, tensors, strict=True):
         if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, got strides {tensor.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous in its last dim, got strides {tensor.stride()}"
+            )
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens > 0:

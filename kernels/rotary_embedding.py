@@ -49,7 +49,9 @@ def _rotary_kernel(
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
     cos = tl.load(cache_ptr + pos * stride_cp + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cp + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cp + HALF + offs, mask=offs < HALF, other=0.0).to(
+        tl.float32
+    )
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, cos[None, :], sin[None, :],
                   NUM_Q_HEADS, HALF, Q_HEADS_PAD, HALF_PAD)  # fmt: skip
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, cos[None, :], sin[None, :],

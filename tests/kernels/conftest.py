@@ -14,6 +14,7 @@ TRITON_INTERPRET knob again at a few points while running. So:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -55,10 +56,9 @@ def _import_interpreted() -> None:
             sys.modules.pop(name, None)
         import triton  # noqa: F401
 
-        try:  # imported lazily at the first launch; it insists on the interpreter knob
+        # Imported lazily at the first launch, and it insists on the interpreter knob.
+        with contextlib.suppress(ImportError):
             importlib.import_module("triton.experimental.gluon")
-        except ImportError:
-            pass
         for name in _KERNEL_MODULES:
             importlib.import_module(name)
     finally:

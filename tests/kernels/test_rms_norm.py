@@ -44,7 +44,9 @@ def test_rms_norm_matches_hugging_face():
     with torch.no_grad():
         hf.weight.copy_(randn(24, dtype=torch.bfloat16, seed=4))
         x = randn(3, 24, dtype=torch.bfloat16)
-        torch.testing.assert_close(rms_norm(x, hf.weight, 1e-5), hf(x), **TOLERANCES[torch.bfloat16])
+        torch.testing.assert_close(
+            rms_norm(x, hf.weight, 1e-5), hf(x), **TOLERANCES[torch.bfloat16]
+        )
 
 
 def test_rms_norm_rejects_bad_arguments():

@@ -40,7 +40,9 @@ def test_rotary_embedding_on_fused_qkv_views_matches_hugging_face():
     cache = cos_sin_cache(8, 8)
     cos = cache[positions, :4].repeat(1, 2)[None]  # HF: [1, T, D], halves duplicated
     sin = cache[positions, 4:].repeat(1, 2)[None]
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    want_q, want_k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
+    )
     v_before = qkv[:, 6:].clone()
     rotary_embedding(positions, q, k, cache)
     torch.testing.assert_close(q, want_q[0].transpose(0, 1))

@@ -51,7 +51,12 @@ def test_tiny_model_forward_with_triton_backend_matches_torch_backend(tmp_path):
     # A prompt and a first prefill chunk, then a decode and the prompt's second chunk.
     for seqs in ([(0, 6), (0, 9)], [(6, 1), (9, 8)]):
         meta = metadata_for(seqs, tables, block_size)
-        input_ids = torch.randint(3, 512, (meta.num_tokens,), generator=torch.Generator().manual_seed(0))
+        input_ids = torch.randint(
+            3, 512, (meta.num_tokens,), generator=torch.Generator().manual_seed(0)
+        )
         with torch.inference_mode():
-            out = {name: model(meta, caches[name], input_ids=input_ids) for name, model in models.items()}
+            out = {
+                name: model(meta, caches[name], input_ids=input_ids)
+                for name, model in models.items()
+            }
         torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)

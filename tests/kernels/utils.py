@@ -47,7 +47,7 @@ def metadata_for(
     """AttentionMetadata of sequences (context_len_before, query_len) with these block ids."""
     block_tables = torch.zeros(len(seqs), max(len(t) for t in tables), dtype=torch.int32)
     positions, slots = [], []
-    for i, ((ctx, qlen), table) in enumerate(zip(seqs, tables)):
+    for i, ((ctx, qlen), table) in enumerate(zip(seqs, tables, strict=True)):
         block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         for pos in range(ctx, ctx + qlen):
             positions.append(pos)
@@ -56,7 +56,9 @@ def metadata_for(
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+        ),
         seq_lens=torch.tensor([ctx + qlen for ctx, qlen in seqs], dtype=torch.int32),
         block_tables=block_tables,
         max_query_len=max(query_lens),

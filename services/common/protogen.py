@@ -1,5 +1,10 @@
 """Generates the Python stubs of `protos/conveyor/v1/*.proto` into `services/common/proto/`.
 
+`protos/inference/*.proto` (KServe v2, package `inference`) goes to
+`services/common/proto/inference/`, registered in a private descriptor pool: its message
+names equal those of `tritonclient.grpc.service_pb2`, and the default pool rejects the same
+symbol defined twice, so both can be imported in one process.
+
 Run with `make proto`. The stubs are committed so that `pip install` needs no build step; a
 test regenerates them into a temporary folder and fails when the committed ones are stale.
 """
@@ -25,7 +30,8 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
 
     import grpc_tools
 
-    protos = sorted(PROTO_ROOT.glob("conveyor/v1/*.proto"))
+    protos = [*sorted(PROTO_ROOT.glob("conveyor/v1/*.proto")),
+              *sorted(PROTO_ROOT.glob("inference/*.proto"))]
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         args = [
@@ -40,11 +46,13 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
             rel = src.relative_to(tmp)
             dst = out_dir / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            text = re.sub(r"^from conveyor\.v1 import", f"from {PACKAGE}.conveyor.v1 import",
+            text = re.sub(r"^from (conveyor\.v1|inference) import", rf"from {PACKAGE}.\1 import",
                           src.read_text(), flags=re.M)  # fmt: skip
+            if rel.parts[0] == "inference":
+                text = text.replace("_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()")
             dst.write_text(text)
             written.append(dst)
-    for pkg in (out_dir, out_dir / "conveyor", out_dir / "conveyor" / "v1"):
+    for pkg in (out_dir, out_dir / "conveyor", out_dir / "conveyor" / "v1", out_dir / "inference"):
         (pkg / "__init__.py").write_text(_HEADER)
     return written
 

@@ -12,7 +12,7 @@ from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
-from services.worker.model.loader import load_stage_model
+from services.worker.model.loader import load_stage_model, resolve_dtype
 from services.worker.model.stages import stage_spec
 from services.worker.runner import StageRunner
 
@@ -72,8 +72,10 @@ def make_runners(
     for index in range(num_stages):
         stage = stage_spec(config.num_hidden_layers, num_stages, index, layer_split)
         model = load_stage_model(model_dir, stage, dtype)
-        spec = KVCacheSpec(stage.num_layers, config.num_key_value_heads, config.head_dim,
-                           block_size, model.norm.weight.dtype if stage.is_last else torch.float32)  # fmt: skip
+        spec = KVCacheSpec(
+            stage.num_layers, config.num_key_value_heads, config.head_dim, block_size,
+            resolve_dtype(dtype),
+        )  # fmt: skip
         runners.append(StageRunner(model, KVCache(spec, num_blocks)))
     return runners
 
@@ -97,8 +99,9 @@ class TinyPlanner:
     """A minimal sync-mode scheduler: chunked prefill, one decode per step, shuffled blocks."""
 
     def __init__(self, block_size: int, num_blocks: int, chunk_size: int | None = None,
-                 shuffle_seed: int | None = None) -> None:  # fmt: skip
+                 shuffle_seed: int | None = None, async_mode: bool = False) -> None:  # fmt: skip
         self.block_size, self.chunk_size = block_size, chunk_size
+        self.async_mode = async_mode
         self.free = list(range(num_blocks))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(self.free)
@@ -142,9 +145,10 @@ class TinyPlanner:
                 ))  # fmt: skip
                 req.is_known = True
             else:
-                plan.cached_requests.append(CachedRequest(
-                    req.request_id, num, new_blocks, req.tokens[req.num_sent :],
-                ))  # fmt: skip
+                new_tokens = [] if self.async_mode else req.tokens[req.num_sent :]
+                plan.cached_requests.append(
+                    CachedRequest(req.request_id, num, new_blocks, new_tokens)
+                )
             req.num_sent = len(req.tokens)
         self.step_id += 1
         return plan
@@ -168,14 +172,19 @@ class TinyPlanner:
 
 
 def run_plans(planner: TinyPlanner, runners: list[StageRunner], max_steps: int = 1000):
-    """Drive every stage in-process until each request has its tokens; returns outputs."""
+    """Drive every stage in-process until each request has its tokens; returns outputs.
+
+    In async mode stage 0 gets the decode inputs from the last stage's previous result.
+    """
+    sampled: dict[str, int] = {}
     for _ in range(max_steps):
         if planner.is_done:
             return planner.outputs
         plan = planner.next_plan()
-        out = None
-        for runner in runners:
+        out = runners[0].execute(plan, input_token_ids=sampled if planner.async_mode else None)
+        for runner in runners[1:]:
             out = runner.execute(plan, hidden_in=out)
+        sampled = dict(zip(out.request_ids, out.token_ids, strict=True))
         planner.apply(out, runners[-1].last_logits)
     raise AssertionError(f"requests not finished after {max_steps} steps")
 

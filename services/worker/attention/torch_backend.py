@@ -67,9 +67,11 @@ def gather_context(
     """[B, Hkv, L, D] dense context of each sequence (L = max_seq_len; tails are garbage)."""
     block_size = cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, Hkv, D]
-    dense = blocks.flatten(1, 2)[:, :max_seq_len]  # [B, L, Hkv, D]
-    return dense.transpose(1, 2)
+    table = block_tables[:, :num_blocks]
+    # index_select on the flat table is several times faster on CPU than cache[table]
+    blocks = cache.index_select(0, table.reshape(-1).long())  # [B * nb, bs, Hkv, D]
+    dense = blocks.view(table.shape[0], num_blocks * block_size, *cache.shape[2:])
+    return dense[:, :max_seq_len].transpose(1, 2)  # [B, Hkv, L, D]
 
 
 def _decode(

@@ -16,6 +16,7 @@ from services.common.logs import setup_logging
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("services.models.cli", "fetch the test model or write a tiny random one"),
     "worker": ("services.worker.cli", "run one pipeline stage (a slice of the model's layers)"),
+    "scheduler": ("services.scheduler.cli", "plan steps and drive the pipeline's stage workers"),
     "up": ("services.launcher", "start the whole stack on this machine"),
     "health": ("services.common.health_cli", "check a Conveyor service's gRPC health"),
 }

@@ -32,13 +32,17 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Builds validated params; raises InvalidRequest naming a bad field."""
+    """Builds validated params; raises InvalidRequest naming a bad field.
+
+    Proto3 cannot tell an unset double from 0: top_p and repetition_penalty of 0 (invalid
+    values) mean "unset", i.e. 1.
+    """
     return SamplingParams(
         temperature=msg.temperature,
-        top_p=msg.top_p,
+        top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
         min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,

@@ -100,6 +100,7 @@ class StageEngine:
         self._registered_at: dict[str, int] = {}  # stage 0: step a request was last sent whole
         self._next_token_step = 0
         self._broken: str | None = None
+        self._epoch = 0
 
     @property
     def stage(self) -> int:
@@ -109,9 +110,11 @@ class StageEngine:
     def num_stages(self) -> int:
         return self.transport.num_stages
 
-    def start(self, on_outcome: Callable[[StepOutcome], None]) -> None:
-        """Starts a session: connects the pipeline group on the compute thread."""
+    def start(self, on_outcome: Callable[[StepOutcome], None], epoch: int = 0) -> None:
+        """Starts a session: connects the pipeline group (rendezvous keys of `epoch`) on the
+        compute thread."""
         self._on_outcome = on_outcome
+        self._epoch = epoch
         self._broken = None
         self._thread = threading.Thread(target=self._loop, name=f"stage{self.stage}", daemon=True)
         self._thread.start()
@@ -129,7 +132,7 @@ class StageEngine:
     # ----------------------------------------------------------------- compute thread
     def _loop(self) -> None:
         try:
-            self.transport.connect()
+            self.transport.connect(self._epoch)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler
             logger.exception("stage %d could not join the pipeline", self.stage)
             self._broken = f"stage {self.stage} could not join the pipeline: {exc}"

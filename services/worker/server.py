@@ -124,7 +124,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if is_last or outcome.error:
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
-            self.engine.start(on_outcome)
+            metadata = dict(context.invocation_metadata() or ())
+            epoch = int(metadata.get("conveyor-epoch", "0"))
+            self.engine.start(on_outcome, epoch)
             reader = asyncio.create_task(self._read_plans(request_iterator))
             try:
                 while True:

@@ -55,7 +55,6 @@ class StageTransport:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pending: deque[dist.Work] = deque()
         self._store: dist.TCPStore | None = None
-        self._generation = 0
         self.is_connected = False
 
     @property
@@ -66,27 +65,27 @@ class StageTransport:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def connect(self) -> None:
+    def connect(self, epoch: int = 0) -> None:
         """Joins the pipeline's process group; blocks until every stage has joined.
 
-        Each (re)connection uses a fresh key prefix, so a pipeline whose stage restarted can
-        form a new group on the same rendezvous store.
+        `epoch` (chosen by the scheduler per session) prefixes the rendezvous keys, so a
+        pipeline whose stage restarted forms a fresh group on the same store. Stages other
+        than 0 reconnect their store client each time, in case stage 0 was the one restarted.
         """
         if self.num_stages == 1:
             self.is_connected = True
             return
         host, port = parse_addr(self._dist_addr, "--dist-addr")
-        if self._store is None:
+        if self._store is None or not self.is_first:
             self._store = dist.TCPStore(
                 host, port, self.num_stages, is_master=self.is_first,
                 timeout=self._timeout, wait_for_workers=False,
             )  # fmt: skip
-        self._generation += 1
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        prefix = dist.PrefixStore(f"pipeline/{self._generation}", self._store)
+        prefix = dist.PrefixStore(f"pipeline/{epoch}", self._store)
         logger.info(
-            "stage %d/%d joining %s group at %s", self.stage, self.num_stages, backend,
-            self._dist_addr,
+            "stage %d/%d joining %s group at %s (epoch %d)", self.stage, self.num_stages,
+            backend, self._dist_addr, epoch,
         )  # fmt: skip
         dist.init_process_group(
             backend, store=prefix, rank=self.stage, world_size=self.num_stages,

@@ -207,10 +207,11 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         bm = self.block_manager
+        step_id = plan.step_id
         while budget.num_tokens > 0 and budget.num_seqs > 0:
             request = self.policy.peek()
-            if request is None:
-                break
+            if request is None or request.next_step_id > step_id:
+                break  # a preempted request waits out its in-flight step, like any other
             prefix = bm.find_cached_prefix(request.token_ids, request.extra_key)
             num_cached = prefix.num_tokens(bm.block_size)
             num_new = self._chunk(request.num_tokens - num_cached, budget.num_tokens)
@@ -295,7 +296,6 @@ class Scheduler:
 
     def _forget_on_workers(self, request: Request, finished_ids: list[str]) -> None:
         request.pending_step_ids.clear()  # results of in-flight steps are discarded
-        request.next_step_id = 0
         if request.num_tokens_on_workers is not None:
             finished_ids.append(request.request_id)
             request.num_tokens_on_workers = None

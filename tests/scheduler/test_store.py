@@ -1,0 +1,176 @@
+"""Request state in a real Redis: recovery, idempotent appends, round trips, outages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+
+from services.common.errors import StateStoreError
+from services.common.step import StepResult
+from services.scheduler.request import RequestStatus
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.state import RequestUpdate
+from services.scheduler.store import RedisStateStore
+from tests.conftest import free_port
+from tests.scheduler.utils import (
+    FakeWorkers,
+    Trace,
+    collect,
+    drive,
+    expected_output,
+    make_config,
+    make_request,
+)
+
+
+@pytest.fixture
+def store(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    store = RedisStateStore(redis_url)
+    yield store
+    store.close()
+
+
+def _requests():
+    return [
+        make_request(f"r{i}", 6 + 3 * i, 10 + i, tenant=f"t{i % 2}", priority=i % 2)
+        for i in range(8)
+    ]
+
+
+def test_store_recover_after_restart_gives_the_same_token_logs(store, redis_url):
+    config = make_config(num_stages=2, scheduling="async", max_num_seqs=4, num_blocks=40)
+    expected = {r.request_id: expected_output(r, config.max_model_len) for r in _requests()}
+
+    uninterrupted = Scheduler(config)
+    for request in _requests():
+        uninterrupted.add_request(request)
+    reference = drive(uninterrupted, FakeWorkers(True, config.block_size), result_delay=3)
+    assert reference.outputs == expected
+
+    first = Scheduler(config, store)
+    for request in _requests():
+        first.add_request(request)
+    trace = drive(first, FakeWorkers(True, config.block_size), result_delay=3, max_steps=12)
+    assert first.has_unfinished and any(trace.outputs.values()), "restart mid-generation"
+    del first  # crash: in-flight results and worker state are lost
+
+    recovered = Scheduler.recover(config, RedisStateStore(redis_url))
+    assert {r for r in recovered.requests} == {r for r in expected if r not in trace.finish_reasons}
+    resumed = [r for r in recovered.requests.values() if r.output_token_ids]
+    assert resumed and all(r.status is RequestStatus.WAITING for r in resumed)
+    drive(recovered, FakeWorkers(True, config.block_size), result_delay=3, trace=trace)
+
+    assert trace.outputs == reference.outputs
+    for request_id, tokens in reference.outputs.items():
+        assert store.read_tokens(request_id) == tokens
+        assert store.read_state(request_id).is_finished
+    assert Scheduler.recover(config, store).requests == {}
+
+
+def test_store_replayed_step_appends_nothing_twice(store):
+    scheduler = Scheduler(make_config(), store)
+    scheduler.add_request(make_request("r", 4, 10, ignore_eos=True))
+    plan = scheduler.schedule()
+    result = StepResult(plan.step_id, ["r"], [11])
+    scheduler.process_result(result)
+    assert scheduler.process_result(result) == []  # the same step again
+    update = RequestUpdate("r", RequestStatus.RUNNING, offset=0, token_ids=[11, 12])
+    store.apply([update])
+    store.apply([update])  # a re-sent flush
+    assert store.read_tokens("r") == [11, 12]
+    assert store.read_tokens("r", offset=1) == [12]
+    with pytest.raises(StateStoreError, match="CONVEYOR_GAP"):
+        store.apply([RequestUpdate("r", offset=5, token_ids=[99])])
+    assert store.read_tokens("r") == [11, 12]
+
+
+def test_store_one_round_trip_per_step(store):
+    config = make_config(num_stages=2, max_num_seqs=4)
+    scheduler = Scheduler(config, store)
+    for request in _requests():
+        scheduler.add_request(request)
+    workers, trace, per_step = FakeWorkers(True, config.block_size), Trace(), []
+    while scheduler.has_unfinished:
+        before = store.round_trips
+        plan = scheduler.schedule()
+        assert store.round_trips == before  # planning never waits on Redis
+        collect(trace, scheduler.process_result(workers.run(plan)))
+        per_step.append((plan.num_requests > 0, store.round_trips - before))
+    # Every step that ran something costs exactly one round trip; an idle one costs none.
+    assert set(per_step) <= {(True, 1), (False, 0)} and (True, 1) in per_step
+    assert len(trace.outputs) == 8
+
+
+def test_store_finished_requests_expire(store, redis_url):
+    store.finished_ttl_s = 120
+    scheduler = Scheduler(make_config(), store)
+    scheduler.add_request(make_request("r", 4, 1))
+    plan = scheduler.schedule()
+    scheduler.process_result(StepResult(plan.step_id, ["r"], [3]))
+    client = redis.Redis.from_url(redis_url)
+    assert 0 < client.ttl("{req:r}:tokens") <= 120 and 0 < client.ttl("{req:r}:meta") <= 120
+    assert client.zcard("conveyor:unfinished") == 0
+
+
+def test_store_redis_unreachable_raises_and_queues_nothing():
+    store = RedisStateStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+    scheduler = Scheduler(make_config(), store)
+    with pytest.raises(StateStoreError, match="did not answer.*--redis-url"):
+        scheduler.add_request(make_request("r"))
+    assert scheduler.num_waiting == 0 and not scheduler.has_unfinished
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server this test may freeze (SIGSTOP) and thaw."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+         "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield proc, f"redis://127.0.0.1:{port}/0"
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_store_outage_mid_run_loses_and_duplicates_nothing(own_redis):
+    proc, url = own_redis
+    config = make_config(num_stages=1, max_num_seqs=4)
+    store = RedisStateStore(url, timeout_s=0.3)
+    scheduler = Scheduler(config, store)
+    requests = _requests()[:4]
+    for request in requests:
+        scheduler.add_request(request)
+    workers, trace, failures = FakeWorkers(True, config.block_size), Trace(), 0
+    step = 0
+    while scheduler.has_unfinished:
+        result = workers.run(scheduler.schedule())
+        if step == 3:
+            os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            collect(trace, scheduler.process_result(result))
+        except StateStoreError:
+            failures += 1
+            os.kill(proc.pid, signal.SIGCONT)  # Redis comes back; buffered writes go next step
+        step += 1
+    assert failures == 1
+    expected = {r.request_id: expected_output(r, config.max_model_len) for r in requests}
+    assert trace.outputs == expected
+    for request_id, tokens in expected.items():
+        assert store.read_tokens(request_id) == tokens

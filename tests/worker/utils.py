@@ -190,18 +190,21 @@ def run_plans(planner: TinyPlanner, runners: list[StageRunner], max_steps: int =
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int):
-    """Reference: HF forward, full recompute each step, argmax. Returns (tokens, logits)."""
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int, use_cache: bool = False):
+    """Reference: HF forward and argmax, one prompt at a time (no padding), recomputing the
+    whole sequence each step or with HF's DynamicCache. Returns (tokens, logits)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     all_tokens, all_logits = [], []
     for prompt in prompts:
-        ids = list(prompt)
-        step_logits = []
+        ids, step_logits = list(prompt), []
+        cache = transformers.DynamicCache() if use_cache else None
         for _ in range(max_new):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            inputs = ids[-1:] if use_cache and step_logits else ids
+            kwargs = {"past_key_values": cache, "use_cache": True} if use_cache else {}
+            logits = model(torch.tensor([inputs]), **kwargs).logits[0, -1].float()
             step_logits.append(logits)
             ids.append(int(logits.argmax()))
         all_tokens.append(ids[len(prompt) :])

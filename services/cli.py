@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("services.models.cli", "fetch the test model or write a tiny random one"),
     "worker": ("services.worker.cli", "run one pipeline stage (a slice of the model's layers)"),
     "scheduler": ("services.scheduler.cli", "plan steps and drive the pipeline's stage workers"),
+    "router": ("services.router.cli", "serve the public Generation and KServe v2 gRPC APIs"),
+    "generate": ("services.client.cli", "stream a completion from a running router"),
     "up": ("services.launcher", "start the whole stack on this machine"),
     "health": ("services.common.health_cli", "check a Conveyor service's gRPC health"),
 }

@@ -1,0 +1,68 @@
+"""`conveyor generate`: stream a completion from a running router to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="localhost:50051",
+                        help="router address HOST:PORT (default: localhost:50051)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="plain-text prompt")
+    prompt.add_argument("--chat", help="a user message, sent through the chat template")
+    parser.add_argument("--system", default=None, help="system message for --chat")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: 16")
+    parser.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None,
+                        help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--model", default=None, help="model name (default: the served one)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, token_ids, finish_reason, usage)")
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
+              "ignore_eos": args.ignore_eos or None, "model": args.model}  # fmt: skip
+    if args.chat is not None:
+        chat = [{"role": "system", "content": args.system}] if args.system else []
+        kwargs["chat"] = [*chat, {"role": "user", "content": args.chat}]
+    else:
+        if args.system:
+            raise SystemExit("--system needs --chat")
+        kwargs["prompt"] = args.prompt
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client.client import ConveyorClient, collect
+
+    try:
+        with ConveyorClient(args.server, timeout_s=args.timeout) as client:
+            deltas = client.generate(**_request_kwargs(args))
+            if args.json:
+                print(json.dumps(collect(deltas).to_dict(), ensure_ascii=False))
+                return 0
+            last = None
+            for delta in deltas:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+            sys.stdout.write("\n")
+            if last is not None and last.usage:
+                print(f"[{last.finish_reason}; {last.usage['prompt_tokens']} prompt + "
+                      f"{last.usage['completion_tokens']} generated tokens]", file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,187 @@
+"""A small client of conveyor.v1.Generation.
+
+    with ConveyorClient("localhost:50051") as client:
+        for delta in client.generate(prompt="Once upon a time", max_tokens=32):
+            print(delta.text, end="", flush=True)
+        result = client.complete(chat=[{"role": "user", "content": "Hi"}], max_tokens=16)
+
+Sampling keywords keep vLLM's names (temperature, top_p, top_k, min_p, seed, max_tokens,
+stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
+frequency_penalty); `stop`, `include_stop_str_in_output`, `priority`, `tenant`,
+`request_id` and `model` are request fields. Errors are `grpc.RpcError`s whose code and
+details say what to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+_SAMPLING_FIELDS = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+_REQUEST_FIELDS = {"stop", "include_stop_str_in_output", "priority", "tenant", "request_id",
+                   "model"}  # fmt: skip
+_FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, common_pb2.FINISH_REASON_STOP: "stop",
+           common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_ABORT: "abort",
+           common_pb2.FINISH_REASON_ERROR: "error"}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed piece of output."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    offset: int
+    finish_reason: str | None = None  # "stop", "length", "abort" on the last delta
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
+    logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Result:
+    """A whole generation."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "usage": self.usage}  # fmt: skip
+
+
+def build_request(prompt: str | None = None, chat: list[dict] | None = None,
+                  token_ids: list[int] | None = None, **kwargs: Any) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest from a prompt (one of prompt, chat, token_ids) and keywords."""
+    if sum(p is not None for p in (prompt, chat, token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, chat or token_ids")
+    unknown = set(kwargs) - _SAMPLING_FIELDS - _REQUEST_FIELDS
+    if unknown:
+        raise TypeError(f"unknown generate() arguments: {', '.join(sorted(unknown))}")
+    sampling = {k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS and v is not None}
+    fields = {k: v for k, v in kwargs.items() if k in _REQUEST_FIELDS and v is not None}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    msg = generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling), **fields)
+    if prompt is not None:
+        msg.text = prompt
+    elif token_ids is not None:
+        msg.token_ids.ids.extend(token_ids)
+    else:
+        msg.chat.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in chat)  # fmt: skip
+    return msg
+
+
+def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
+    usage = None
+    if msg.HasField("usage"):
+        usage = {"prompt_tokens": msg.usage.prompt_tokens,
+                 "completion_tokens": msg.usage.completion_tokens,
+                 "cached_tokens": msg.usage.cached_tokens}  # fmt: skip
+    return Delta(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
+                 offset=msg.offset, finish_reason=_FINISH.get(msg.finish_reason),
+                 usage=usage, logprobs=list(msg.logprobs))  # fmt: skip
+
+
+def collect(deltas) -> Result:
+    """Joins deltas into a Result."""
+    texts, ids, last = [], [], None
+    for delta in deltas:
+        texts.append(delta.text)
+        ids.extend(delta.token_ids)
+        last = delta
+    if last is None:
+        raise RuntimeError("the server closed the stream without a response")
+    return Result(request_id=last.request_id, text="".join(texts), token_ids=ids,
+                  finish_reason=last.finish_reason, usage=last.usage or {})  # fmt: skip
+
+
+class ConveyorClient:
+    """Blocking client; `generate()` yields Deltas, `complete()` returns a Result."""
+
+    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = None):
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def __enter__(self) -> ConveyorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str | None = None, *, chat: list[dict] | None = None,
+                 token_ids: list[int] | None = None, **kwargs: Any) -> Iterator[Delta]:
+        """Streams the output; closing the iterator early cancels the request."""
+        call = self._stub.Generate(build_request(prompt, chat, token_ids, **kwargs),
+                                   timeout=self.timeout_s)  # fmt: skip
+        try:
+            for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """The whole output at once."""
+        return collect(self.generate(prompt, **kwargs))
+
+    def tokenize(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
+        msg = generation_pb2.TokenizeRequest()
+        if chat is not None:
+            msg.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in chat)
+        else:
+            msg.text = text or ""
+        return list(self._stub.Tokenize(msg, timeout=self.timeout_s).token_ids)
+
+    def list_models(self) -> list[dict[str, Any]]:
+        reply = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]
+
+
+class AsyncConveyorClient:
+    """asyncio client with the same methods as ConveyorClient, awaited."""
+
+    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = None):
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    async def __aenter__(self) -> AsyncConveyorClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(self, prompt: str | None = None, *, chat: list[dict] | None = None,
+                       token_ids: list[int] | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
+        """Streams the output; leaving the loop early cancels the request."""
+        call = self._stub.Generate(build_request(prompt, chat, token_ids, **kwargs),
+                                   timeout=self.timeout_s)  # fmt: skip
+        try:
+            async for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        return collect([d async for d in self.generate(prompt, **kwargs)])
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        reply = await self._stub.ListModels(generation_pb2.ListModelsRequest(),
+                                            timeout=self.timeout_s)  # fmt: skip
+        return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]

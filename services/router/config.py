@@ -1,0 +1,74 @@
+"""The router's configuration: one validated dataclass, built from CLI flags in one place."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import ConfigError
+
+DEFAULT_PORT = 50051
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Everything `conveyor router` needs; validated on construction."""
+
+    scheduler_address: str
+    """HOST:PORT of the scheduler's gRPC service."""
+    model_dir: str
+    """Hugging Face model directory: tokenizer files and config.json."""
+    port: int = DEFAULT_PORT
+    """Public gRPC port."""
+    host: str = "[::]"
+    """Bind address."""
+    served_model_name: str | None = None
+    """Name clients use for the model; default: the model directory's name."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); default: config.json's max_position_embeddings."""
+    resume_timeout_s: float = 60.0
+    """How long a stream broken by a scheduler restart keeps trying to resume."""
+    health_interval_s: float = 1.0
+    """How often the scheduler's health is polled."""
+    max_stop_strings: int = 16
+    """Most stop strings one request may carry."""
+    max_stop_string_chars: int = 256
+    """Longest stop string, in characters."""
+
+    def __post_init__(self) -> None:
+        if not self.scheduler_address or ":" not in self.scheduler_address:
+            raise ConfigError(f"--scheduler={self.scheduler_address!r} must be HOST:PORT")
+        if not Path(self.model_dir).is_dir():
+            raise ConfigError(f"--model={self.model_dir} is not a directory")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port={self.port} is out of range: must be in [1, 65535]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len={self.max_model_len} must be >= 2")
+        if self.served_model_name == "":
+            raise ConfigError("--served-model-name must not be empty")
+        if self.resume_timeout_s < 0 or self.health_interval_s <= 0:
+            raise ConfigError("resume timeout must be >= 0 and health interval > 0 seconds")
+
+    @property
+    def model_name(self) -> str:
+        """The served model name."""
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+    def context_length(self) -> int:
+        """--max-model-len, else max_position_embeddings from the model's config.json."""
+        path = Path(self.model_dir) / "config.json"
+        try:
+            model_max = int(json.loads(path.read_text())["max_position_embeddings"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if self.max_model_len is not None:
+                return self.max_model_len
+            raise ConfigError(
+                f"cannot read max_position_embeddings from {path} ({exc}); pass --max-model-len"
+            ) from exc
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ConfigError(f"--max-model-len={self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={model_max}")  # fmt: skip
+        return self.max_model_len

@@ -1,0 +1,83 @@
+"""The router's request path, shared by both public APIs (no protobuf here).
+
+    GenerateInput --prepare--> PreparedRequest --Submit--> scheduler deltas
+                                                 --OutputBuilder--> OutputDelta stream
+
+Whenever the client's stream ends before the scheduler finished the request (a stop-string
+match, a client cancel or deadline, an error), the request is aborted in the scheduler so
+its KV blocks are freed within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.router.errors import RequestFailed
+from services.router.output import OutputBuilder, OutputDelta
+from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
+from services.router.tokenizer import Tokenizer
+from services.router.upstream import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterCore:
+    """Validation, tokenization, streaming and aborts for every request of one router."""
+
+    tokenizer: Tokenizer
+    limits: ModelLimits
+    scheduler: SchedulerClient
+    is_ready: bool = False  # the scheduler was SERVING at the last health poll
+    _aborts: set[asyncio.Task] = field(default_factory=set)
+
+    def prepare(self, req: GenerateInput) -> PreparedRequest:
+        """Validates and tokenizes; raises InvalidRequest naming the bad field."""
+        return prepare(req, self.tokenizer, self.limits)
+
+    async def generate(self, req: PreparedRequest) -> AsyncIterator[OutputDelta]:
+        """Streams the request's output; the last delta has a finish reason and usage.
+
+        Raises:
+            RequestFailed: the scheduler failed the request (finish reason "error").
+            QueueFull, PipelineUnavailable, InvalidRequest: passed on from the scheduler.
+        """
+        builder = OutputBuilder.for_request(self.tokenizer, req)
+        is_upstream_done = False
+        try:
+            async with contextlib.aclosing(self.scheduler.stream(req)) as deltas:
+                async for delta in deltas:
+                    is_upstream_done = delta.finish_reason is not None
+                    out = builder.add(delta)
+                    if out is None:
+                        continue
+                    if out.finish_reason == "error":
+                        raise RequestFailed(f"request {req.request_id} failed in the "
+                                            f"scheduler: {out.error or 'no reason given'}")  # fmt: skip
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+        finally:
+            if not is_upstream_done:
+                self._abort_soon(req.request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Aborts in a task of its own, so that a cancelled caller still frees the blocks."""
+        task = asyncio.get_running_loop().create_task(self.scheduler.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        logger.debug("aborting %s", request_id)
+
+    async def collect(self, req: PreparedRequest) -> tuple[str, OutputDelta]:
+        """(whole text, last delta) of a request, for non-streaming APIs."""
+        texts: list[str] = []
+        last = None
+        async for out in self.generate(req):
+            texts.append(out.text)
+            last = out
+        assert last is not None and last.finish_reason is not None
+        return "".join(texts), last

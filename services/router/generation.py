@@ -1,0 +1,116 @@
+"""conveyor.v1.Generation: the public servicer (thin edge over RouterCore)."""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.errors import InvalidRequest
+from services.common.pb import logprobs_to_pb
+from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.sampling import SamplingParams
+from services.router.core import RouterCore
+from services.router.errors import grpc_errors
+from services.router.output import OutputDelta
+from services.router.request import ChatTurn, GenerateInput, check_model, tokenize_prompt
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Public sampling params; 0 in top_p, repetition_penalty, max_tokens means the default."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens or 16,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def chat_from_pb(chat: generation_pb2.Chat) -> list[ChatTurn]:
+    return [ChatTurn(role=m.role, content=m.content) for m in chat.messages]
+
+
+def input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
+    """The core's view of a GenerateRequest (sampling ranges are checked here)."""
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("prompt is missing: set exactly one of text, token_ids or chat")
+    return GenerateInput(
+        sampling=sampling_from_request(msg.sampling),
+        text=msg.text if which == "text" else None,
+        token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        chat=chat_from_pb(msg.chat) if which == "chat" else None,
+        stop=list(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        priority=msg.priority,
+        tenant=msg.tenant,
+        request_id=msg.request_id,
+        model=msg.model,
+    )
+
+
+def output_to_pb(request_id: str, out: OutputDelta) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(
+        request_id=request_id, text=out.text, token_ids=out.token_ids, offset=out.offset,
+        finish_reason=FINISH_TO_PB[out.finish_reason],
+        logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
+    )  # fmt: skip
+    if out.usage is not None:
+        msg.usage.CopyFrom(generation_pb2.Usage(
+            prompt_tokens=out.usage.prompt_tokens,
+            completion_tokens=out.usage.completion_tokens,
+            cached_tokens=out.usage.cached_tokens,
+        ))  # fmt: skip
+    return msg
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Generate, Tokenize and ListModels over one RouterCore."""
+
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        prepared = self.core.prepare(input_from_pb(request))
+        async for out in self.core.generate(prepared):
+            yield output_to_pb(prepared.request_id, out)
+
+    @grpc_errors
+    async def Tokenize(self, request, context):
+        check_model(request.model, self.core.limits)
+        which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidRequest("input is missing: set text or chat")
+        req = GenerateInput(
+            sampling=SamplingParams(),
+            text=request.text if which == "text" else None,
+            chat=chat_from_pb(request.chat) if which == "chat" else None,
+        )  # fmt: skip
+        token_ids, _ = tokenize_prompt(req, self.core.tokenizer)
+        return generation_pb2.TokenizeResponse(token_ids=token_ids,
+                                               max_model_len=self.core.limits.max_model_len)
+
+    @grpc_errors
+    async def ListModels(self, request, context):
+        limits = self.core.limits
+        return generation_pb2.ListModelsResponse(models=[
+            generation_pb2.ModelInfo(name=limits.name, max_model_len=limits.max_model_len)
+        ])  # fmt: skip

@@ -1,0 +1,175 @@
+"""KServe v2 tensors of Triton's LLM convention <-> the router's GenerateInput.
+
+Inputs (as Triton's vLLM backend): `text_input` BYTES, `stream` BOOL,
+`sampling_parameters` BYTES (a JSON object with vLLM's names), `exclude_input_in_output`
+BOOL; sampling keys may also come as tensors of their own (`max_tokens` INT32, ...).
+Output: `text_output` BYTES. BYTES elements in raw contents are each prefixed by their
+4-byte little-endian length.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingParams
+from services.common.proto.inference import grpc_service_pb2 as pb
+from services.router.request import GenerateInput
+
+_FIXED = {  # datatype -> (struct code, InferTensorContents field)
+    "BOOL": ("?", "bool_contents"), "INT8": ("b", "int_contents"),
+    "INT16": ("h", "int_contents"), "INT32": ("i", "int_contents"),
+    "INT64": ("q", "int64_contents"), "UINT8": ("B", "uint_contents"),
+    "UINT16": ("H", "uint_contents"), "UINT32": ("I", "uint_contents"),
+    "UINT64": ("Q", "uint64_contents"), "FP32": ("f", "fp32_contents"),
+    "FP64": ("d", "fp64_contents"),
+}  # fmt: skip
+_FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty")  # fmt: skip
+_INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
+_BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output")
+SAMPLING_KEYS = (*_FLOAT_KEYS, *_INT_KEYS, *_BOOL_KEYS, "stop", "stop_token_ids", "n")
+INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")
+
+
+@dataclass(slots=True)
+class KServeRequest:
+    """A decoded ModelInferRequest."""
+
+    generate: GenerateInput
+    is_stream: bool
+    exclude_input_in_output: bool | None  # None: not given
+
+
+def decode_bytes(raw: bytes) -> list[bytes]:
+    """Elements of a raw BYTES tensor (each 4-byte LE length-prefixed)."""
+    items, pos = [], 0
+    while pos < len(raw):
+        if pos + 4 > len(raw):
+            raise InvalidRequest("a BYTES tensor is truncated: a 4-byte length prefix is cut")
+        (size,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + size > len(raw):
+            raise InvalidRequest(f"a BYTES tensor element claims {size} bytes, past the end")
+        items.append(raw[pos : pos + size])
+        pos += size
+    return items
+
+
+def encode_bytes(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
+    datatype = tensor.datatype
+    if datatype == "BYTES":
+        return decode_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
+    if datatype not in _FIXED:
+        raise InvalidRequest(f"input {tensor.name!r} has datatype {datatype!r}: allowed are "
+                             f"BYTES, {', '.join(_FIXED)}")  # fmt: skip
+    code, field_name = _FIXED[datatype]
+    if raw is None:
+        return list(getattr(tensor.contents, field_name))
+    size = struct.calcsize(code)
+    if len(raw) % size:
+        raise InvalidRequest(f"input {tensor.name!r}: {len(raw)} raw bytes is not a whole "
+                             f"number of {datatype} elements")  # fmt: skip
+    return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
+
+
+def decode_inputs(msg: pb.ModelInferRequest) -> dict[str, Any]:
+    """name -> the single element of each input tensor."""
+    raws = list(msg.raw_input_contents)
+    if raws and len(raws) != len(msg.inputs):
+        raise InvalidRequest(f"raw_input_contents has {len(raws)} entries for "
+                             f"{len(msg.inputs)} inputs: give one per input")  # fmt: skip
+    values: dict[str, Any] = {}
+    for index, tensor in enumerate(msg.inputs):
+        elements = _tensor_values(tensor, raws[index] if raws else None)
+        if len(elements) != 1:
+            raise InvalidRequest(f"input {tensor.name!r} has {len(elements)} elements: "
+                                 "give exactly one (batching is not supported)")  # fmt: skip
+        values[tensor.name] = elements[0]
+    return values
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"input {name!r} is not valid UTF-8: {exc}") from exc
+    return str(value)
+
+
+def _convert(key: str, value: Any) -> Any:
+    try:
+        if key in _FLOAT_KEYS:
+            return float(value)
+        if key in _INT_KEYS or key == "n":
+            return int(value)
+        if key in _BOOL_KEYS:
+            return value if isinstance(value, bool) else str(value).lower() in ("true", "1")
+        if key == "stop":
+            return [value] if isinstance(value, str) else [str(v) for v in value]
+        return [int(v) for v in value]  # stop_token_ids
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"sampling_parameters.{key}={value!r} has the wrong type") from exc
+
+
+def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
+    """vLLM sampling options from the JSON tensor, overridden by per-key tensors."""
+    options: dict[str, Any] = {}
+    if "sampling_parameters" in values:
+        text = _text(values["sampling_parameters"], "sampling_parameters")
+        try:
+            options = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from exc
+        if not isinstance(options, dict):
+            raise InvalidRequest("sampling_parameters must be a JSON object")
+    unknown = [k for k in options if k not in SAMPLING_KEYS]
+    if unknown:
+        raise InvalidRequest(f"sampling_parameters.{unknown[0]} is not supported: allowed "
+                             f"keys are {', '.join(SAMPLING_KEYS)}")  # fmt: skip
+    for key in SAMPLING_KEYS:
+        if key in values:
+            options[key] = _text(values[key], key) if isinstance(values[key], bytes) else values[key]
+    return {key: _convert(key, value) for key, value in options.items()}
+
+
+def request_from_pb(msg: pb.ModelInferRequest) -> KServeRequest:
+    """Decodes a ModelInferRequest of the LLM convention; raises InvalidRequest."""
+    values = decode_inputs(msg)
+    unknown = [name for name in values if name not in INPUT_NAMES and name not in SAMPLING_KEYS]
+    if unknown:
+        raise InvalidRequest(f"input {unknown[0]!r} is not supported: inputs are "
+                             f"{', '.join(INPUT_NAMES)} (and sampling keys)")  # fmt: skip
+    if "text_input" not in values:
+        raise InvalidRequest("input 'text_input' (BYTES) is missing: it holds the prompt")
+    options = sampling_options(values)
+    if options.pop("n", 1) != 1:
+        raise InvalidRequest("sampling_parameters.n must be 1: one output per request")
+    stop = options.pop("stop", [])
+    include_stop = options.pop("include_stop_str_in_output", False)
+    exclude = values.get("exclude_input_in_output")
+    return KServeRequest(
+        generate=GenerateInput(sampling=SamplingParams(**options),
+                               text=_text(values["text_input"], "text_input"), stop=stop,
+                               include_stop_str_in_output=include_stop),  # fmt: skip
+        is_stream=bool(values.get("stream", False)),
+        exclude_input_in_output=None if exclude is None else bool(exclude),
+    )
+
+
+def text_response(model_name: str, request_id: str, text: str) -> pb.ModelInferResponse:
+    """A response whose `text_output` BYTES tensor holds `text`."""
+    return pb.ModelInferResponse(
+        model_name=model_name, model_version="1", id=request_id,
+        outputs=[pb.ModelInferResponse.InferOutputTensor(name="text_output", datatype="BYTES",
+                                                         shape=[1])],
+        raw_output_contents=[encode_bytes([text.encode("utf-8")])],
+    )  # fmt: skip

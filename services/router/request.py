@@ -1,0 +1,163 @@
+"""Generation requests as the router's core sees them, and their validation (pure).
+
+Both public APIs (conveyor.v1.Generation and KServe v2) convert their messages into a
+`GenerateInput`; `prepare()` validates every field, tokenizes (chat template for chats) and
+returns a `PreparedRequest` ready for the scheduler. Every error is an `InvalidRequest`
+whose message names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidRequest, PromptTooLong
+from services.common.sampling import SamplingParams
+from services.router.tokenizer import Tokenizer
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """One message of a chat."""
+
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    """What the router serves: the model's name and context length, and request limits."""
+
+    name: str
+    max_model_len: int
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """A generation request from either public API, before validation.
+
+    Exactly one of text, token_ids and chat is set.
+    """
+
+    sampling: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[ChatTurn] | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    tenant: str = ""
+    request_id: str = ""
+    model: str = ""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to submit to the scheduler."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    tenant: str = ""
+    prompt_text: str = ""  # the rendered prompt (KServe echoes it unless excluded)
+
+
+def check_model(model: str, limits: ModelLimits) -> None:
+    """Raises InvalidRequest unless `model` is empty or the served model's name."""
+    if model and model != limits.name:
+        raise InvalidRequest(f"model={model!r} is not served here: the served model is "
+                             f"{limits.name!r} (or leave model empty)")  # fmt: skip
+
+
+def tokenize_prompt(req: GenerateInput, tokenizer: Tokenizer) -> tuple[list[int], str]:
+    """(prompt ids, prompt text) of a text, token-id or chat prompt; validates the prompt."""
+    prompts = [p for p in (req.text, req.token_ids, req.chat) if p is not None]
+    if len(prompts) != 1:
+        raise InvalidRequest("prompt is missing: set exactly one of text, token_ids or chat")
+    if req.text is not None:
+        if not req.text:
+            raise InvalidRequest("text is empty: the prompt needs at least one character")
+        return tokenizer.encode(req.text), req.text
+    if req.token_ids is not None:
+        return _check_token_ids(req.token_ids, tokenizer), tokenizer.decode(req.token_ids)
+    messages = _check_chat(req.chat)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False), rendered
+
+
+def _check_token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    if not ids:
+        raise InvalidRequest("token_ids is empty: the prompt needs at least one token")
+    vocab = tokenizer.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequest(f"token_ids contains {bad[0]}, out of range: ids must be in "
+                             f"[0, {vocab - 1}] (the tokenizer's vocabulary)")  # fmt: skip
+    return list(ids)
+
+
+def _check_chat(chat: list[ChatTurn]) -> list[dict]:
+    if not chat:
+        raise InvalidRequest("chat.messages is empty: a chat needs at least one message")
+    for index, turn in enumerate(chat):
+        if turn.role not in CHAT_ROLES:
+            raise InvalidRequest(f"chat.messages[{index}].role={turn.role!r} is not allowed: "
+                                 f"must be one of {', '.join(CHAT_ROLES)}")  # fmt: skip
+    return [{"role": t.role, "content": t.content} for t in chat]
+
+
+def _check_stop(stop: list[str], limits: ModelLimits) -> None:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"stop has {len(stop)} strings, too many: at most "
+                             f"{limits.max_stop_strings}")  # fmt: skip
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest(f"stop[{index}] is empty: stop strings need >= 1 character")
+        if len(text) > limits.max_stop_string_chars:
+            raise InvalidRequest(f"stop[{index}] has {len(text)} characters, too long: at most "
+                                 f"{limits.max_stop_string_chars}")  # fmt: skip
+
+
+def prepare(req: GenerateInput, tokenizer: Tokenizer, limits: ModelLimits) -> PreparedRequest:
+    """Validates and tokenizes a request.
+
+    Raises:
+        InvalidRequest: a field is out of range (the message names it).
+        PromptTooLong: prompt plus max_tokens exceed the model's context length.
+    """
+    check_model(req.model, limits)
+    if req.request_id and not _REQUEST_ID.match(req.request_id):
+        raise InvalidRequest(f"request_id={req.request_id[:140]!r} is not allowed: use 1 to 128 "
+                             "letters, digits, '-', '_', '.' or ':'")  # fmt: skip
+    _check_stop(req.stop, limits)
+    prompt_ids, prompt_text = tokenize_prompt(req, tokenizer)
+    num_prompt, max_tokens = len(prompt_ids), req.sampling.max_tokens
+    if num_prompt >= limits.max_model_len:
+        raise PromptTooLong(f"prompt has {num_prompt} tokens, too long: the model's context "
+                            f"length is {limits.max_model_len} (prompt + max_tokens)")  # fmt: skip
+    if num_prompt + max_tokens > limits.max_model_len:
+        raise PromptTooLong(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt + max_tokens} exceeds the model's context length "
+            f"{limits.max_model_len}: lower max_tokens to at most "
+            f"{limits.max_model_len - num_prompt} or shorten the prompt"
+        )
+    return PreparedRequest(
+        request_id=req.request_id or uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        sampling=req.sampling,
+        stop=list(req.stop),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        priority=req.priority,
+        tenant=req.tenant,
+        prompt_text=prompt_text,
+    )

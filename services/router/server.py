@@ -1,0 +1,100 @@
+"""`conveyor router`: the public gRPC edge (Generation, KServe v2, health, reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.proto.inference import grpc_service_pb2 as kserve_pb2
+from services.common.proto.inference import grpc_service_pb2_grpc as kserve_pb2_grpc
+from services.router import generation, kserve
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from services.router.request import ModelLimits
+from services.router.tokenizer import Tokenizer
+from services.router.upstream import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+PUBLIC_SERVICES = (generation.SERVICE_NAME, kserve.SERVICE_NAME)
+
+
+def reflection_pool() -> descriptor_pool.DescriptorPool:
+    """One pool with every service the router serves.
+
+    The KServe stubs live in a private pool (their names clash with tritonclient's), so
+    reflection gets a pool of its own holding copies of all the files.
+    """
+    pool = descriptor_pool.DescriptorPool()
+    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR, common_pb2.DESCRIPTOR,
+                 generation_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR):  # dependencies first
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+    return pool
+
+
+async def watch_scheduler(core: RouterCore, health_servicer, interval_s: float) -> None:
+    """Keeps the router's health equal to the scheduler's (polled every `interval_s`)."""
+    was_serving = None
+    while True:
+        is_serving = await core.scheduler.is_serving(timeout_s=max(interval_s, 1.0))
+        core.is_ready = is_serving
+        if is_serving != was_serving:
+            status = (health_pb2.HealthCheckResponse.SERVING if is_serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+            for name in ("", *PUBLIC_SERVICES):
+                await health_servicer.set(name, status)
+            logger.info("scheduler %s is %s", core.scheduler.address,
+                        "SERVING" if is_serving else "not serving")  # fmt: skip
+            was_serving = is_serving
+        await asyncio.sleep(interval_s)
+
+
+def build_core(config: RouterConfig) -> RouterCore:
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    limits = ModelLimits(name=config.model_name, max_model_len=config.context_length(),
+                         max_stop_strings=config.max_stop_strings,
+                         max_stop_string_chars=config.max_stop_string_chars)  # fmt: skip
+    scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s)
+    return RouterCore(tokenizer=tokenizer, limits=limits, scheduler=scheduler)
+
+
+async def serve(config: RouterConfig) -> None:
+    """Runs the router until SIGTERM/SIGINT, then drains gracefully."""
+    core = build_core(config)
+    server = grpc.aio.server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        generation.GenerationServicer(core), server)
+    kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(core), server)
+    reflection.enable_server_reflection(
+        [*PUBLIC_SERVICES, HEALTH_SERVICE, reflection.SERVICE_NAME], server,
+        pool=reflection_pool())  # fmt: skip
+    for name in ("", *PUBLIC_SERVICES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    logger.info("router on port %d serving %s (context %d) via scheduler %s", config.port,
+                core.limits.name, core.limits.max_model_len, config.scheduler_address)  # fmt: skip
+    watcher = asyncio.create_task(watch_scheduler(core, health_servicer, config.health_interval_s))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("router stopping: draining streams")
+    watcher.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+    await core.scheduler.close()

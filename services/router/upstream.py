@@ -1,0 +1,169 @@
+"""The router's side of the scheduler: submit, resume after a broken stream, abort, health.
+
+A stream that breaks with UNAVAILABLE (scheduler restart, network) is re-attached with
+`Resume(request_id, from_offset)`, retried with backoff for up to `resume_timeout_s`. Offsets
+make it exact: tokens before the first offset the client has not seen are dropped, so the
+client sees neither a gap nor a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import (
+    ConveyorError, InvalidRequest, PipelineUnavailable, QueueFull, UnknownRequest,
+)  # fmt: skip
+from services.common.pb import logprobs_from_pb, sampling_to_pb
+from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.router.errors import RequestExists, RequestFailed
+from services.router.output import SchedulerDelta
+from services.router.request import PreparedRequest
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+_MAX_BACKOFF_S = 2.0
+
+
+class StreamBroken(Exception):
+    """The Submit/Resume stream ended without a finished delta (internal: triggers resume)."""
+
+
+def scheduler_error(exc: grpc.aio.AioRpcError) -> ConveyorError:
+    """A domain exception, with an actionable message, for a scheduler status."""
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return QueueFull(f"{details} (the scheduler's queue is full: retry with backoff, "
+                         "or raise the scheduler's --max-waiting)")  # fmt: skip
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return PipelineUnavailable(f"the scheduler cannot serve now: {details} (retry when "
+                                   "`conveyor health` reports SERVING)")  # fmt: skip
+    if code is grpc.StatusCode.ALREADY_EXISTS:
+        return RequestExists(f"{details} (request ids must be unique; leave it empty to "
+                             "have one generated)")  # fmt: skip
+    if code is grpc.StatusCode.NOT_FOUND:
+        return UnknownRequest(details)
+    return RequestFailed(f"the scheduler answered {code.name}: {details}")
+
+
+def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerDelta:
+    """A delta without the tokens before `next_offset` (already delivered)."""
+    skip = max(0, next_offset - msg.offset)
+    if msg.offset > next_offset:
+        raise RequestFailed(f"the scheduler skipped tokens {next_offset}..{msg.offset - 1}")
+    return SchedulerDelta(
+        offset=msg.offset + skip,
+        token_ids=list(msg.token_ids[skip:]),
+        logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs[skip:]],
+        finish_reason=_FINISH.get(msg.finish_reason, "error"),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        error=msg.error,
+    )
+
+
+class SchedulerClient:
+    """One channel to the scheduler, shared by every request of a router."""
+
+    def __init__(self, address: str, resume_timeout_s: float = 60.0):
+        self.address = address
+        self.resume_timeout_s = resume_timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def is_serving(self, timeout_s: float = 1.0) -> bool:
+        """True when the scheduler answers its health check with SERVING."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request; False (logged) when the scheduler could not be told."""
+        try:
+            reply = await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
+                                           timeout=5.0)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %s failed: %s", request_id, exc.code().name)
+            return False
+        return reply.aborted
+
+    async def stream(self, req: PreparedRequest) -> AsyncIterator[SchedulerDelta]:
+        """Submits `req` and yields its deltas until one carries a finish reason."""
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids,
+            sampling=sampling_to_pb(req.sampling), priority=req.priority, tenant=req.tenant,
+        )  # fmt: skip
+        call = self._stub.Submit(submit)
+        pending = None  # a message the resume already read from `call`
+        next_offset, has_output = 0, False
+        try:
+            while True:
+                try:
+                    while True:
+                        msg = await call.read() if pending is None else pending
+                        pending = None
+                        if msg is grpc.aio.EOF:
+                            raise StreamBroken("the stream ended before the request finished")
+                        delta = delta_from_pb(msg, next_offset)
+                        has_output = True
+                        next_offset = delta.offset + len(delta.token_ids)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            return
+                except (grpc.aio.AioRpcError, StreamBroken) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and (
+                        exc.code() is not grpc.StatusCode.UNAVAILABLE
+                    ):
+                        raise scheduler_error(exc) from exc
+                    call.cancel()
+                    call, pending = await self._resume(req.request_id, next_offset, exc,
+                                                       has_output)  # fmt: skip
+        finally:
+            call.cancel()
+
+    async def _resume(self, request_id: str, offset: int, cause: Exception, has_output: bool):
+        """(call, its first message) of a Resume the scheduler accepted; retries while it is
+        unreachable, for up to resume_timeout_s."""
+        deadline = time.monotonic() + self.resume_timeout_s
+        delay = 0.1
+        logger.info("stream of %s broke at offset %d; resuming", request_id, offset)
+        while True:
+            call = self._stub.Resume(scheduler_pb2.ResumeRequest(request_id=request_id,
+                                                                 from_offset=offset))  # fmt: skip
+            try:
+                return call, await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND and not has_output:
+                    # The scheduler never took the request: report why Submit failed.
+                    if isinstance(cause, grpc.aio.AioRpcError):
+                        raise scheduler_error(cause) from cause
+                    raise scheduler_error(exc) from exc
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise scheduler_error(exc) from exc
+            if time.monotonic() + delay > deadline:
+                raise PipelineUnavailable(
+                    f"lost the scheduler at {self.address} and could not resume request "
+                    f"{request_id} within {self.resume_timeout_s:.0f} s; retry the request"
+                )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _MAX_BACKOFF_S)

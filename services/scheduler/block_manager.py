@@ -157,19 +157,26 @@ class BlockManager:
         returned too: they are new to the request). Raises `OutOfBlocks` when the pool cannot
         hold it; nothing changes then.
         """
-        if not self.can_allocate(request_id, num_slots, prefix):
-            raise OutOfBlocks(
-                f"request {request_id} needs {self.num_blocks_needed(request_id, num_slots, prefix)}"
-                f" more KV blocks but {len(self._free)} are free"
-            )
         seq = self._seqs.get(request_id)
-        new_ids: list[int] = []
-        if seq is None:
-            seq = _Seq([], [], 0, _root_hash(extra_key))
-            self._seqs[request_id] = seq
-            if prefix is not None:
-                self._take_prefix(seq, prefix)
-                new_ids.extend(prefix.block_ids)
+        if seq is not None:  # hot path: a running request grows by a token or a chunk
+            num_needed = -(-num_slots // self.block_size) - len(seq.block_ids)
+            new_ids = []
+            if num_needed > 0:
+                if num_needed > len(self._free):
+                    raise self._out_of_blocks(request_id, num_needed)
+                new_ids = [self._pop_free_block() for _ in range(num_needed)]
+                seq.block_ids.extend(new_ids)
+            if num_slots > seq.num_slots:
+                seq.num_slots = num_slots
+            return new_ids
+        if not self.can_allocate(request_id, num_slots, prefix):
+            needed = self.num_blocks_needed(request_id, num_slots, prefix)
+            raise self._out_of_blocks(request_id, needed)
+        seq = self._seqs[request_id] = _Seq([], [], 0, _root_hash(extra_key))
+        new_ids = []
+        if prefix is not None:
+            self._take_prefix(seq, prefix)
+            new_ids.extend(prefix.block_ids)
         for _ in range(-(-num_slots // self.block_size) - len(seq.block_ids)):
             block_id = self._pop_free_block()
             seq.block_ids.append(block_id)
@@ -241,6 +248,11 @@ class BlockManager:
             return self._seqs[request_id]
         except KeyError:
             raise UnknownRequest(f"request {request_id} holds no KV blocks") from None
+
+    def _out_of_blocks(self, request_id: str, num_needed: int) -> OutOfBlocks:
+        return OutOfBlocks(
+            f"request {request_id} needs {num_needed} more KV blocks but {len(self._free)} are free"
+        )
 
     def _take_prefix(self, seq: _Seq, prefix: CachedPrefix) -> None:
         for block_id in prefix.block_ids:

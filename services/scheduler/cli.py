@@ -6,36 +6,86 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", required=True,
-                        help="stage worker addresses in stage order, e.g. w0:50061,w1:50061")
-    parser.add_argument("--redis-url", default=None,
-                        help="Redis for request state (default: a private redis-server)")
+    parser.add_argument(
+        "--workers",
+        required=True,
+        help="stage worker addresses in stage order, e.g. w0:50061,w1:50061",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for request state (default: a private redis-server)",
+    )
     parser.add_argument("--port", type=int, default=50060, help="gRPC port (default: 50060)")
     parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
-    parser.add_argument("--scheduling", choices=["async", "sync"], default="async",
-                        help="async plans ahead and hands tokens from the last stage to stage 0")
-    parser.add_argument("--max-inflight", type=int, default=None,
-                        help="steps in flight (default: 2 x stages in async, stages in sync)")
-    parser.add_argument("--scheduler-policy", choices=["fcfs", "priority", "fair"],
-                        default="fcfs", help="waiting-queue order (default: fcfs)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="most requests in one step (default: 256)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="most tokens computed in one step (default: 2048)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest sequence (default: the workers' context length)")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="must match the workers' (default: taken from the workers)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse KV of identical prompt prefixes (default: on)")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=True, help="split long prompts across steps (default: on)")
-    parser.add_argument("--max-waiting", type=int, default=10_000,
-                        help="queue limit; beyond it Submit answers RESOURCE_EXHAUSTED")
-    parser.add_argument("--finished-ttl", type=int, default=3600,
-                        help="seconds finished requests stay in Redis (default: 3600)")
-    parser.add_argument("--timeline", default=None,
-                        help="on stop, write a Chrome/Perfetto trace of every stage to FILE")
+    parser.add_argument(
+        "--scheduling",
+        choices=["async", "sync"],
+        default="async",
+        help="async plans ahead and hands tokens from the last stage to stage 0",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="steps in flight (default: 2 x stages in async, stages in sync)",
+    )
+    parser.add_argument(
+        "--scheduler-policy",
+        choices=["fcfs", "priority", "fair"],
+        default="fcfs",
+        help="waiting-queue order (default: fcfs)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests in one step (default: 256)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="most tokens computed in one step (default: 2048)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (default: the workers' context length)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="must match the workers' (default: taken from the workers)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV of identical prompt prefixes (default: on)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps (default: on)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=10_000,
+        help="queue limit; beyond it Submit answers RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--finished-ttl",
+        type=int,
+        default=3600,
+        help="seconds finished requests stay in Redis (default: 3600)",
+    )
+    parser.add_argument(
+        "--timeline",
+        default=None,
+        help="on stop, write a Chrome/Perfetto trace of every stage to FILE",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -78,7 +78,9 @@ class Pipeline:
         problems = []
         for address, reply in zip(self.addresses, replies, strict=True):
             if isinstance(reply, Exception):
-                code = reply.code().name if isinstance(reply, grpc.RpcError) else type(reply).__name__
+                code = (
+                    reply.code().name if isinstance(reply, grpc.RpcError) else type(reply).__name__
+                )
                 problems.append(f"{address} unreachable ({code})")
             elif not reply.ready:
                 problems.append(f"{address} still loading")
@@ -150,7 +152,9 @@ class Pipeline:
                     self.reports.put_nowait(("error", report.error))
                 elif is_last:
                     self.reports.put_nowait((stage, report))
-            self.reports.put_nowait(("error", f"stage {stage} ({self.addresses[stage]}) ended its stream"))
+            self.reports.put_nowait(
+                ("error", f"stage {stage} ({self.addresses[stage]}) ended its stream")
+            )
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as exc:

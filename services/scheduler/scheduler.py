@@ -25,7 +25,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from services.common.errors import InvalidRequest, PromptTooLong, QueueFull, UnknownRequest
+from services.common.errors import (
+    InvalidRequest,
+    OutOfBlocks,
+    PromptTooLong,
+    QueueFull,
+    UnknownRequest,
+)
 from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
@@ -135,6 +141,7 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         is_async = self.config.is_async
         max_pending = 1 if is_async else 0
+        max_model_len = self.config.max_model_len
         scheduled: set[str] = set()
         partial: list[Request] = []
         num_preempted = self.num_preemptions
@@ -153,8 +160,14 @@ class Scheduler:
             remaining = num_known - request.num_computed_tokens
             if remaining > 1:
                 partial.append(request)
-            elif remaining == 1 and budget.num_tokens > 0 and self._may_decode(request):
-                self._schedule_cached(plan, request, 1, num_known, budget, scheduled)
+            elif remaining == 1 and budget.num_tokens > 0:
+                # Never plan a token the request cannot keep (max_tokens, max_model_len).
+                num_pending = len(request.pending_step_ids)
+                if (
+                    request.num_output_tokens + num_pending < request.sampling.max_tokens
+                    and num_known < max_model_len
+                ):
+                    self._schedule_cached(plan, request, 1, num_known, budget, scheduled)
 
         # prefill: chunks of prompts already running, then new (or resumed) requests
         for request in partial:
@@ -169,14 +182,6 @@ class Scheduler:
         if self.num_preemptions == num_preempted:
             self._schedule_waiting(plan, budget)
         return plan
-
-    def _may_decode(self, request: Request) -> bool:
-        # Never plan a token the request cannot keep (max_tokens, max_model_len).
-        num_pending = len(request.pending_step_ids)
-        return (
-            request.num_output_tokens + num_pending < request.sampling.max_tokens
-            and request.num_tokens + num_pending < self.config.max_model_len
-        )
 
     def _chunk(self, num_remaining: int, num_budget: int) -> int:
         if num_remaining <= num_budget:
@@ -193,9 +198,12 @@ class Scheduler:
         scheduled: set[str],
     ) -> None:
         num_slots = request.num_computed_tokens + num_new
-        if not self._make_room(request, num_slots, scheduled, plan):
-            return
-        new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
+        try:
+            new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
+        except OutOfBlocks:
+            if not self._make_room(request, num_slots, scheduled, plan):
+                return
+            new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
         new_token_ids: list[int] = []
         if not self.config.is_async and request.num_tokens_on_workers != request.num_tokens:
             new_token_ids = request.token_ids[request.num_tokens_on_workers :]
@@ -259,9 +267,12 @@ class Scheduler:
             request.next_step_id = step_id + self.config.num_stages
         else:
             request.next_step_id = step_id + 1
-        self.block_manager.cache_full_blocks(
-            request.request_id, request.token_ids, request.num_computed_tokens
-        )
+        # Hash only when a block filled up (async decodes hash it one block later, once its
+        # tokens are all known): no per-token work on the decode path.
+        if num_new > 1 or request.num_computed_tokens % self.config.block_size == 0:
+            self.block_manager.cache_full_blocks(
+                request.request_id, request.token_ids, request.num_computed_tokens
+            )
         if self._charge is not None:
             self._charge(request, num_new)
 

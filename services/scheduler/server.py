@@ -87,8 +87,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await abort_with(context, exc)
         finish = _FINISHED_STATES.get(state.value)
         try:
-            yield delta_to_pb(TokenDelta(request_id, tokens[offset:], offset,
-                                         finish if queue is None or finish else None))
+            yield delta_to_pb(
+                TokenDelta(
+                    request_id, tokens[offset:], offset, finish if queue is None or finish else None
+                )
+            )
             if queue is None or finish:
                 return
             delivered = len(tokens)
@@ -96,8 +99,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 delta = await queue.get()
                 skip = max(0, delivered - delta.offset)
                 if skip or delta.finish_reason is None or delta.token_ids:
-                    delta = TokenDelta(request_id, delta.token_ids[skip:], delta.offset + skip,
-                                       delta.finish_reason)
+                    delta = TokenDelta(
+                        request_id, delta.token_ids[skip:], delta.offset + skip, delta.finish_reason
+                    )
                 delivered = max(delivered, delta.offset + len(delta.token_ids))
                 yield delta_to_pb(delta)
                 if delta.finish_reason is not None:

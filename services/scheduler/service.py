@@ -104,7 +104,9 @@ class SchedulerService:
             block_size=self.info.block_size,
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
-            max_model_len=min(opts.max_model_len or self.info.max_model_len, self.info.max_model_len),
+            max_model_len=min(
+                opts.max_model_len or self.info.max_model_len, self.info.max_model_len
+            ),
             enable_prefix_caching=opts.enable_prefix_caching,
             enable_chunked_prefill=opts.enable_chunked_prefill,
             policy=opts.policy,

@@ -1,0 +1,143 @@
+"""Scheduler planning time per step (pure Python) and Redis round trips / latency per step.
+
+    .venv/bin/python bench/bench_scheduler.py [--steps 2000]
+
+Scenarios:
+* `decode-256`: 256 running requests, every one decoding each step (P=1: the worst case,
+  all of them in every plan);
+* `mix-32+4x512`: 32 decodes plus 4 prefill chunks of 512 tokens per step;
+* `redis`: the decode scenario with a private redis-server: round trips and latency of the
+  per-step flush (process_result) against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.sampling import SamplingParams  # noqa: E402
+from services.common.step import StepResult  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.request import Request  # noqa: E402
+from services.scheduler.scheduler import Scheduler  # noqa: E402
+
+
+def _request(request_id: str, prompt_len: int, max_tokens: int) -> Request:
+    prompt = [(hash((request_id, i)) % 30000) + 1 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _result(plan) -> StepResult:
+    ids = [r.request_id for r in plan.new_requests + plan.cached_requests]
+    return StepResult(plan.step_id, ids, [5] * len(ids))
+
+
+def _percentiles(samples_s: list[float]) -> str:
+    us = sorted(s * 1e6 for s in samples_s)
+    p50, p99 = us[len(us) // 2], us[int(len(us) * 0.99)]
+    return f"p50 {p50:8.1f} us   p99 {p99:8.1f} us   mean {statistics.fmean(us):8.1f} us"
+
+
+def bench_decode(num_steps: int, scheduling: str, store=None) -> tuple[list[float], list[float]]:
+    config = SchedulerConfig(
+        num_blocks=65536, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
+        max_model_len=4096, scheduling=scheduling, num_stages=1,
+    )  # fmt: skip
+    scheduler = Scheduler(config, store)
+    for i in range(256):
+        scheduler.add_request(_request(f"d{i}", 128, 1_000_000))
+    for _ in range(8):  # prefill everyone (4 steps of 64 prompts): now all decoding
+        scheduler.process_result(_result(scheduler.schedule()))
+    plan_s, flush_s = [], []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        scheduler.process_result(_result(plan))
+        t2 = time.perf_counter()
+        assert plan.num_requests == 256, (plan.step_id, plan.num_requests)
+        plan_s.append(t1 - t0)
+        flush_s.append(t2 - t1)
+    return plan_s, flush_s
+
+
+def bench_mix(num_steps: int) -> list[float]:
+    """32 decodes + 4 prefill chunks of 512 tokens (new long prompts keep arriving)."""
+    config = SchedulerConfig(
+        num_blocks=65536, block_size=16, max_num_seqs=64, max_num_batched_tokens=32 + 4 * 512,
+        max_model_len=8192, num_stages=1, max_waiting=100_000,
+    )  # fmt: skip
+    scheduler = Scheduler(config)
+    for i in range(32):
+        scheduler.add_request(_request(f"d{i}", 64, 1_000_000))
+    scheduler.process_result(_result(scheduler.schedule()))
+    samples, counter = [], 0
+    for _ in range(num_steps):
+        while scheduler.num_waiting < 4:  # 4 long prompts of 512 tokens each, 1 chunk each
+            scheduler.add_request(_request(f"p{counter}", 512, 1))
+            counter += 1
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        samples.append(time.perf_counter() - t0)
+        assert plan.num_scheduled_tokens == 32 + 4 * 512, plan.num_scheduled_tokens
+        scheduler.process_result(_result(plan))
+    return samples
+
+
+def _start_redis() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", tempfile.mkdtemp()],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    for scheduling in ("async", "sync"):
+        plan_s, _ = bench_decode(args.steps, scheduling)
+        print(f"decode-256 ({scheduling:5s}) schedule(): {_percentiles(plan_s)}")
+    print(f"mix-32+4x512 schedule():       {_percentiles(bench_mix(args.steps))}")
+    if shutil.which("redis-server") is None:
+        print("redis: skipped (redis-server not on PATH)")
+        return
+    from services.scheduler.store import RedisStateStore
+
+    proc, url = _start_redis()
+    try:
+        store = RedisStateStore(url)
+        steps = min(args.steps, 1000)
+        before = store.round_trips
+        plan_s, flush_s = bench_decode(steps, "async", store)
+        trips = (store.round_trips - before - 256 - 8) / steps  # minus the adds and warm-up
+        print(f"redis decode-256 schedule():   {_percentiles(plan_s)}")
+        print(f"redis decode-256 process_result() incl. flush: {_percentiles(flush_s)}")
+        print(f"redis round trips per step: {trips:.2f}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -305,6 +305,24 @@ class Scheduler:
         del self.running[request.request_id]
         self.policy.requeue(request)
 
+    def requeue_running(self) -> None:
+        """The pipeline was lost (a stage died): every running request goes back to the front
+        of the queue, to be recomputed from prompt + outputs so far on fresh workers. Their
+        KV is gone, so the prefix cache is emptied too; results of in-flight steps are
+        discarded when they arrive late."""
+        for request in reversed(list(self.running.values())):  # oldest ends up in front
+            self.block_manager.free(request.request_id)
+            request.transition(RequestStatus.PREEMPTED)
+            self.outputs.record_state(request)
+            request.pending_step_ids.clear()
+            request.num_tokens_on_workers = None
+            request.num_computed_tokens = 0
+            self.policy.requeue(request)
+        self.running.clear()
+        self._finished_ids = []  # fresh workers hold nothing to drop
+        self.block_manager.reset_prefix_cache()
+        logger.info("re-queued every running request after a pipeline loss")
+
     def _forget_on_workers(self, request: Request, finished_ids: list[str]) -> None:
         request.pending_step_ids.clear()  # results of in-flight steps are discarded
         if request.num_tokens_on_workers is not None:

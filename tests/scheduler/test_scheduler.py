@@ -256,3 +256,19 @@ def test_schedule_sync_sends_sampled_tokens_and_async_does_not():
         scheduler.process_result(StepResult(plan.step_id, ["r"], [42]))
         cached = scheduler.schedule().cached_requests[0]
         assert cached.new_token_ids == ([42] if scheduling == "sync" else [])
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_schedule_requeue_running_after_pipeline_loss_finishes_with_exact_outputs(scheduling):
+    config = make_config(num_stages=2, scheduling=scheduling, max_num_seqs=4)
+    requests = [make_request(f"r{i}", 5 + i, 12, ignore_eos=True) for i in range(6)]
+    expected = {r.request_id: expected_output(r, config.max_model_len) for r in requests}
+    scheduler = Scheduler(config)
+    for request in requests:
+        scheduler.add_request(request)
+    trace = drive(scheduler, FakeWorkers(config.is_async, config.block_size), 3, max_steps=10)
+    assert scheduler.running and any(trace.outputs.values())
+    scheduler.requeue_running()  # the old workers and their in-flight steps are gone
+    assert not scheduler.running and scheduler.block_manager.num_free_blocks == config.num_blocks
+    drive(scheduler, FakeWorkers(config.is_async, config.block_size), 3, trace=trace)
+    assert trace.outputs == expected

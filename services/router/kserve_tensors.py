@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequest
-from services.common.sampling import SamplingParams
 from services.common.proto.inference import grpc_service_pb2 as pb
+from services.common.sampling import SamplingParams
 from services.router.request import GenerateInput
 
 _FIXED = {  # datatype -> (struct code, InferTensorContents field)

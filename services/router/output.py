@@ -85,7 +85,7 @@ class OutputBuilder:
         offset = self.num_tokens
         texts: list[str] = []
         token_ids: list[int] = []
-        for index, token_id in enumerate(delta.token_ids):
+        for token_id in delta.token_ids:
             texts.append(self.matcher.feed(self.detokenizer.step([token_id])))
             token_ids.append(token_id)
             if self.matcher.is_stopped:

@@ -17,7 +17,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import (
-    ConveyorError, InvalidRequest, PipelineUnavailable, QueueFull, UnknownRequest,
+    ConveyorError,
+    InvalidRequest,
+    PipelineUnavailable,
+    QueueFull,
+    UnknownRequest,
 )  # fmt: skip
 from services.common.pb import logprobs_from_pb, sampling_to_pb
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc

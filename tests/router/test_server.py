@@ -65,9 +65,9 @@ def test_router_client_cancel_aborts_request(fake, client):
 
 def test_router_deadline_aborts_request(fake, router):
     fake.reset(mode="endless", delay_s=0.01)
-    with ConveyorClient(router.address, timeout_s=0.5) as short:
-        with pytest.raises(grpc.RpcError) as info:
-            short.complete("x", max_tokens=200, request_id="deadline-1")
+    with ConveyorClient(router.address, timeout_s=0.5) as short, \
+            pytest.raises(grpc.RpcError) as info:
+        short.complete("x", max_tokens=200, request_id="deadline-1")
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: "deadline-1" in fake.aborts, what="abort after the deadline")
 

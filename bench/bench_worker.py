@@ -31,17 +31,20 @@ CONTEXT = 256
 BLOCK_SIZE = 16
 
 
-def median_ms(fn, iters: int, after=None) -> float:
-    """Median wall time of `fn()` in ms over `iters` runs after 2 warm-ups; `after()` untimed."""
-    times = []
+def interleaved_ms(cases: list[tuple], iters: int) -> list[float]:
+    """Median ms of each (fn, after) case over `iters` rounds after 2 warm-ups. Cases are
+    timed in turn within each round, so a shared machine's load falls on all alike;
+    `after()` (untimed) restores the state for the next call."""
+    times: list[list[float]] = [[] for _ in cases]
     for i in range(iters + 2):
-        start = time.perf_counter()
-        fn()
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1000)
-        if after is not None:
-            after()
-    return statistics.median(times)
+        for case_times, (fn, after) in zip(times, cases, strict=True):
+            start = time.perf_counter()
+            fn()
+            if i >= 2:
+                case_times.append((time.perf_counter() - start) * 1000)
+            if after is not None:
+                after()
+    return [statistics.median(t) for t in times]
 
 
 def make_runner(model_dir: Path, config: ModelConfig, num_blocks: int) -> StageRunner:
@@ -53,8 +56,8 @@ def make_runner(model_dir: Path, config: ModelConfig, num_blocks: int) -> StageR
     return StageRunner(model, KVCache(spec, num_blocks))
 
 
-def ours_decode(runner: StageRunner, batch: int, iters: int) -> tuple[float, float]:
-    """(step ms, forward ms) for `batch` sequences decoding at context CONTEXT."""
+def ours_decode(runner: StageRunner, batch: int) -> list[tuple]:
+    """Cases (step, forward) for `batch` sequences decoding at context CONTEXT."""
     blocks_per_seq = -(-CONTEXT // BLOCK_SIZE)
     runner.requests.clear()
     new = [
@@ -67,14 +70,12 @@ def ours_decode(runner: StageRunner, batch: int, iters: int) -> tuple[float, flo
     runner.execute(StepPlan(0, new_requests=new))
     plan = StepPlan(1, cached_requests=[CachedRequest(f"r{i}", 1, [], [5]) for i in range(batch)])
 
-    def rewind() -> None:
+    def rewind() -> None:  # back to CONTEXT - 1 computed tokens
         for state in runner.requests.values():
-            state.num_computed_tokens -= 1
+            state.num_computed_tokens = CONTEXT - 1
 
-    for state in runner.requests.values():
-        state.num_computed_tokens -= 1
-    step = median_ms(lambda: runner.execute(plan), iters, rewind)
-    states = list(runner.requests.values())  # each at CONTEXT - 1 computed tokens
+    rewind()
+    states = list(runner.requests.values())
     meta, input_ids = runner._prepare(ScheduledBatch(states, [1] * batch))
 
     @torch.inference_mode()
@@ -82,21 +83,16 @@ def ours_decode(runner: StageRunner, batch: int, iters: int) -> tuple[float, flo
         hidden = runner.model(meta, runner.kv_cache.layers, input_ids=input_ids)
         runner.model.compute_logits(hidden)
 
-    return step, median_ms(forward, iters)
+    return [(lambda: runner.execute(plan), rewind), (forward, None)]
 
 
-def ours_prefill(runner: StageRunner, length: int, iters: int) -> float:
-    runner.requests.clear()
+def ours_prefill(runner: StageRunner, length: int) -> tuple:
     blocks = list(range(-(-length // BLOCK_SIZE)))
     new = NewRequest("p", [7] * length, length, SamplingParams(), blocks, 0, length)
-
-    def step() -> None:
-        runner.execute(StepPlan(0, new_requests=[new]))
-
-    return median_ms(step, iters, lambda: runner.requests.clear())
+    return (lambda: runner.execute(StepPlan(0, new_requests=[new])), runner.requests.clear)
 
 
-def hf_decode(model, config: ModelConfig, batch: int, iters: int) -> float:
+def hf_decode(model, config: ModelConfig, batch: int) -> tuple:
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -110,10 +106,10 @@ def hf_decode(model, config: ModelConfig, batch: int, iters: int) -> float:
     def forward() -> None:
         model(input_ids, cache=cache, position_ids=positions, logits_to_keep=1)
 
-    return median_ms(forward, iters, lambda: cache.crop(-1))
+    return (forward, lambda: cache.crop(-1))
 
 
-def hf_prefill(model, length: int, iters: int) -> float:
+def hf_prefill(model, length: int) -> tuple:
     from transformers import DynamicCache
 
     input_ids = torch.full((1, length), 7)
@@ -122,7 +118,7 @@ def hf_prefill(model, length: int, iters: int) -> float:
     def forward() -> None:
         model(input_ids, cache=DynamicCache(), logits_to_keep=1)
 
-    return median_ms(forward, iters)
+    return (forward, None)
 
 
 def main() -> None:
@@ -147,13 +143,16 @@ def main() -> None:
     print(f"SmolLM2-135M fp32, {args.threads} threads, median of {args.iters}, ms")
     print(f"{'case':<22}{'ours step':>10}{'ours fwd':>10}{'HF fwd':>10}{'HF/ours step':>14}")
     for batch in args.batches:
-        step, fwd = ours_decode(runner, batch, args.iters)
-        ref = hf_decode(hf, config, batch, args.iters)
+        step, fwd, ref = interleaved_ms(
+            [*ours_decode(runner, batch), hf_decode(hf, config, batch)], args.iters
+        )
         name = f"decode B={batch} ctx={CONTEXT}"
         print(f"{name:<22}{step:>10.1f}{fwd:>10.1f}{ref:>10.1f}{ref / step:>14.2f}")
+    runner.requests.clear()
     iters = max(2, args.iters // 3)
-    step = ours_prefill(runner, args.prefill, iters)
-    ref = hf_prefill(hf, args.prefill, iters)
+    step, ref = interleaved_ms(
+        [ours_prefill(runner, args.prefill), hf_prefill(hf, args.prefill)], iters
+    )
     name = f"prefill {args.prefill}"
     print(f"{name:<22}{step:>10.1f}{'':>10}{ref:>10.1f}{ref / step:>14.2f}")
 

@@ -1,0 +1,54 @@
+"""SmolLM2 prompts and their Hugging Face greedy references, shared by the pipeline tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "List three colours:",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "In 1969, the first humans to walk on the Moon were",
+    "Translate to French: good morning",
+    "A haiku about autumn leaves:",
+    "The main ingredients of a pancake are",
+    "Question: What is 12 times 12? Answer:",
+    "My favourite programming language is Python because",
+    "The mitochondria is",
+    "Here is a short story about a robot who learns to paint. The robot",
+    "Dear hiring manager,",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompts(smollm2_dir) -> list[list[int]]:
+    from services.router.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    return [tokenizer.encode(text, add_special_tokens=False) for text in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_dir, smollm2_prompts):
+    """HF greedy: (tokens, per-step logits) per prompt, 16 new tokens."""
+    import transformers
+
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.eval()
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for prompt in smollm2_prompts:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                eos_token_id=None,
+            )  # fmt: skip
+            tokens.append(out.sequences[0, len(prompt) :].tolist())
+            logits.append([step[0].float() for step in out.logits])
+    return tokens, logits

@@ -15,12 +15,15 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.router.errors import RequestFailed
 from services.router.output import OutputBuilder, OutputDelta
 from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
 from services.router.tokenizer import Tokenizer
-from services.router.upstream import SchedulerClient
+
+if TYPE_CHECKING:  # the core itself never imports grpc
+    from services.router.upstream import SchedulerClient
 
 logger = logging.getLogger(__name__)
 

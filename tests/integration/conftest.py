@@ -36,16 +36,20 @@ def smollm2_prompts(smollm2_dir) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2_dir, smollm2_prompts):
     """HF greedy: (tokens, per-step logits) per prompt, 16 new tokens."""
+    torch.set_num_threads(2)
+    return hf_greedy_reference(smollm2_dir, smollm2_prompts, 16)
+
+def hf_greedy_reference(model_dir, prompts: list[list[int]], max_new: int):
+    """HF greedy with its KV cache: (tokens, per-step logits) per prompt."""
     import transformers
 
-    torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     tokens, logits = [], []
     with torch.inference_mode():
-        for prompt in smollm2_prompts:
+        for prompt in prompts:
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                 eos_token_id=None,
             )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -151,7 +152,7 @@ class ProcessStack:
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv])
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", os.environ.get("CONVEYOR_TEST_LOG", "WARNING"), *argv])
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

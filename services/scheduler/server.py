@@ -111,10 +111,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.service.unsubscribe(request_id, queue)
 
     async def GetStats(self, request, context):
-        return await stats_to_pb(self.service)
+        return await stats_to_pb(self.service, reset_timelines=request.reset_timelines)
 
 
-async def stats_to_pb(service: SchedulerService) -> scheduler_pb2.SchedulerStats:
+async def stats_to_pb(
+    service: SchedulerService, reset_timelines: bool = False
+) -> scheduler_pb2.SchedulerStats:
     msg = scheduler_pb2.SchedulerStats(
         num_stages=len(service.pipeline.addresses), serving=service.serving,
         scheduling=service.options.scheduling, num_steps=service.counters.num_steps,
@@ -136,7 +138,7 @@ async def stats_to_pb(service: SchedulerService) -> scheduler_pb2.SchedulerStats
     for request_id in core.running:
         msg.request_blocks[request_id] = len(core.block_manager.block_table(request_id))
     try:
-        timelines = await service.pipeline.timelines()
+        timelines = await service.pipeline.timelines(reset=reset_timelines)
         msg.bubble_fraction.extend(t.bubble_fraction for t in timelines)
     except grpc.RpcError:
         pass  # a stage is gone; the stats say serving=false

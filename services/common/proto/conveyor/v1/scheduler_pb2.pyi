@@ -64,8 +64,10 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., from_offset: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("reset_timelines",)
+    RESET_TIMELINES_FIELD_NUMBER: _ClassVar[int]
+    reset_timelines: bool
+    def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.conveyor.v1 import common_pb2 as conveyor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"\xcb\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"o\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"\xbd\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.conveyor.v1.NewRequest\x12\x33\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1e\n\x16tokens_from_last_stage\x18\x05 \x01(\x08\"\xec\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0elogprobs_index\x18\x06 \x03(\r\x12\x18\n\x10\x63ompute_start_ns\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x08 \x01(\x03\x12\x0f\n\x07wait_ns\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xee\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\":\n\x12GetTimelineRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\r\n\x05reset\x18\x02 \x01(\x08\"z\n\nStepTiming\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x0f\n\x07wait_ns\x18\x06 \x01(\x03\"\x84\x01\n\x08Timeline\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12&\n\x05steps\x18\x05 \x03(\x0b\x32\x17.conveyor.v1.StepTiming2\xd8\x01\n\x0bStageWorker\x12\x39\n\x03Run\x12\x15.conveyor.v1.StepPlan\x1a\x17.conveyor.v1.StepReport(\x01\x30\x01\x12G\n\x08\x44\x65scribe\x12\x1c.conveyor.v1.DescribeRequest\x1a\x1d.conveyor.v1.DescribeResponse\x12\x45\n\x0bGetTimeline\x12\x1f.conveyor.v1.GetTimelineRequest\x1a\x15.conveyor.v1.Timelineb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"\xcb\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"o\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"\xd3\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.conveyor.v1.NewRequest\x12\x33\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1e\n\x16tokens_from_last_stage\x18\x05 \x01(\x08\x12\x14\n\x0ctrace_parent\x18\x06 \x01(\t\"\xec\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0elogprobs_index\x18\x06 \x03(\r\x12\x18\n\x10\x63ompute_start_ns\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x08 \x01(\x03\x12\x0f\n\x07wait_ns\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xee\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\":\n\x12GetTimelineRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\r\n\x05reset\x18\x02 \x01(\x08\"z\n\nStepTiming\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x0f\n\x07wait_ns\x18\x06 \x01(\x03\"\x84\x01\n\x08Timeline\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12&\n\x05steps\x18\x05 \x03(\x0b\x32\x17.conveyor.v1.StepTiming2\xd8\x01\n\x0bStageWorker\x12\x39\n\x03Run\x12\x15.conveyor.v1.StepPlan\x1a\x17.conveyor.v1.StepReport(\x01\x30\x01\x12G\n\x08\x44\x65scribe\x12\x1c.conveyor.v1.DescribeRequest\x1a\x1d.conveyor.v1.DescribeResponse\x12\x45\n\x0bGetTimeline\x12\x1f.conveyor.v1.GetTimelineRequest\x1a\x15.conveyor.v1.Timelineb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHEDREQUEST']._serialized_start=273
   _globals['_CACHEDREQUEST']._serialized_end=384
   _globals['_STEPPLAN']._serialized_start=387
-  _globals['_STEPPLAN']._serialized_end=576
-  _globals['_STEPREPORT']._serialized_start=579
-  _globals['_STEPREPORT']._serialized_end=815
-  _globals['_DESCRIBEREQUEST']._serialized_start=817
-  _globals['_DESCRIBEREQUEST']._serialized_end=834
-  _globals['_DESCRIBERESPONSE']._serialized_start=837
-  _globals['_DESCRIBERESPONSE']._serialized_end=1075
-  _globals['_GETTIMELINEREQUEST']._serialized_start=1077
-  _globals['_GETTIMELINEREQUEST']._serialized_end=1135
-  _globals['_STEPTIMING']._serialized_start=1137
-  _globals['_STEPTIMING']._serialized_end=1259
-  _globals['_TIMELINE']._serialized_start=1262
-  _globals['_TIMELINE']._serialized_end=1394
-  _globals['_STAGEWORKER']._serialized_start=1397
-  _globals['_STAGEWORKER']._serialized_end=1613
+  _globals['_STEPPLAN']._serialized_end=598
+  _globals['_STEPREPORT']._serialized_start=601
+  _globals['_STEPREPORT']._serialized_end=837
+  _globals['_DESCRIBEREQUEST']._serialized_start=839
+  _globals['_DESCRIBEREQUEST']._serialized_end=856
+  _globals['_DESCRIBERESPONSE']._serialized_start=859
+  _globals['_DESCRIBERESPONSE']._serialized_end=1097
+  _globals['_GETTIMELINEREQUEST']._serialized_start=1099
+  _globals['_GETTIMELINEREQUEST']._serialized_end=1157
+  _globals['_STEPTIMING']._serialized_start=1159
+  _globals['_STEPTIMING']._serialized_end=1281
+  _globals['_TIMELINE']._serialized_start=1284
+  _globals['_TIMELINE']._serialized_end=1416
+  _globals['_STAGEWORKER']._serialized_start=1419
+  _globals['_STAGEWORKER']._serialized_end=1635
 # @@protoc_insertion_point(module_scope)

@@ -67,17 +67,23 @@ class Stack:
         return proc
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """SIGTERM in reverse start order: the router, then the scheduler (waited for: it
+        reads the workers' timelines as it stops), then every worker at once."""
         deadline = time.monotonic() + grace_s
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
-                proc.kill()
-                proc.wait()
+        procs = list(reversed(self.procs))
+        workers = [p for p in procs if p[0].startswith("worker")]
+        waves = [[p] for p in procs if p not in workers] + [workers]
+        for wave in waves:
+            for _, proc in wave:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for name, proc in wave:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                    proc.kill()
+                    proc.wait()
         self.procs.clear()
         if self.redis:
             self.redis.stop()

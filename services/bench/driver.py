@@ -1,0 +1,124 @@
+"""Sends a workload to a router over conveyor.v1.Generation and times every streamed token.
+
+Requests start at Poisson times (or all at once), at most `max_concurrency` in flight, each
+greedy with `max_tokens = output_len`. One gRPC channel carries every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.bench.datasets import WORDS, BenchRequest
+from services.bench.metrics import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass(slots=True)
+class DriverOptions:
+    """How requests are sent."""
+
+    request_rate: float = float("inf")
+    """Requests per second (Poisson); inf sends every request at once."""
+    max_concurrency: int | None = None
+    """At most this many requests in flight; None means no limit."""
+    ignore_eos: bool = True
+    timeout_s: float | None = None
+    """Per-request deadline; None means none."""
+    progress: bool = True
+
+
+async def token_pool(address: str, text: str = WORDS) -> list[int]:
+    """The distinct ids the served tokenizer gives `text`: valid prompt ids for any model."""
+    from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = await stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=30)
+    return sorted(set(reply.token_ids))
+
+
+async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOutput:
+    from services.client.client import build_request
+
+    out = RequestOutput(prompt_len=len(request.prompt_ids))
+    msg = build_request(token_ids=request.prompt_ids, max_tokens=request.output_len,
+                        temperature=0.0, ignore_eos=options.ignore_eos)  # fmt: skip
+    start = time.perf_counter()
+    try:
+        async for reply in stub.Generate(msg, timeout=options.timeout_s):
+            out.add_tokens(time.perf_counter() - start, len(reply.token_ids))
+            if reply.HasField("usage"):
+                out.cached_tokens = reply.usage.cached_tokens
+        out.success = out.output_len > 0
+        if not out.success:
+            out.error = "the stream ended without a token"
+    except grpc.aio.AioRpcError as exc:
+        out.error = f"{exc.code().name}: {exc.details()}"
+    return out
+
+
+async def run_requests(
+    address: str, requests: list[BenchRequest], gaps_s: list[float], options: DriverOptions
+) -> tuple[list[RequestOutput], float]:
+    """Sends every request (request i after gaps_s[0..i-1]); returns the outputs, in request
+    order, and the wall time from the first send to the last response."""
+    from services.common.proto.conveyor.v1 import generation_pb2_grpc
+
+    limit = asyncio.Semaphore(options.max_concurrency or len(requests) or 1)
+    bar = _progress_bar(len(requests), options.progress)
+
+    async def limited(request: BenchRequest) -> RequestOutput:
+        async with limit:
+            out = await _one(stub, request, options)
+        if not out.success:
+            logger.warning("request failed: %s", out.error)
+        bar.update(1)
+        return out
+
+    async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+        tasks = []
+        send_at = itertools.accumulate([0.0, *gaps_s[:-1]])
+        for request, at in zip(requests, send_at, strict=False):
+            delay = at - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(limited(request)))
+        try:
+            outputs = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            bar.close()
+        duration = time.perf_counter() - start
+    return list(outputs), duration
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", leave=False)
+
+
+class _NoBar(contextlib.AbstractContextManager):
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -1,0 +1,77 @@
+"""One benchmark run against a running stack: build the workload, send it, summarize."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from services.bench.datasets import BenchRequest, arrival_gaps, prefix_requests, random_requests
+from services.bench.driver import DriverOptions, run_requests, token_pool
+from services.bench.metrics import summarize
+from services.bench.stats import SchedulerProbe
+
+logger = logging.getLogger(__name__)
+
+DATASETS = ("random", "prefix")
+
+
+@dataclass(slots=True)
+class Workload:
+    """What to send (vLLM's `bench serve` names)."""
+
+    dataset: str = "random"
+    num_prompts: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 64
+    """prefix dataset: tokens shared by the prompts of one prefix."""
+    num_prefixes: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset={self.dataset!r}: choose one of {', '.join(DATASETS)}")
+        for name in ("num_prompts", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def build(self, pool: list[int]) -> list[BenchRequest]:
+        if self.dataset == "prefix":
+            return prefix_requests(pool, self.num_prompts, self.prefix_len, self.input_len,
+                                   self.output_len, self.num_prefixes, self.range_ratio,
+                                   self.seed)  # fmt: skip
+        return random_requests(pool, self.num_prompts, self.input_len, self.output_len,
+                               self.range_ratio, self.seed)  # fmt: skip
+
+
+@dataclass(slots=True)
+class BenchTarget:
+    """Where to send it: the router, and optionally the scheduler for pipeline stats."""
+
+    server: str
+    scheduler: str | None = None
+    options: DriverOptions = field(default_factory=DriverOptions)
+
+
+async def build_requests(server: str, workload: Workload) -> list[BenchRequest]:
+    """The workload's requests, with prompt ids the served tokenizer produces."""
+    return workload.build(await token_pool(server))
+
+
+async def run_benchmark(target: BenchTarget, requests: list[BenchRequest],
+                        seed: int = 0) -> dict:  # fmt: skip
+    """Sends `requests`; returns the summary plus, with a scheduler, its pipeline stats
+    measured over the run."""
+    probe = SchedulerProbe(target.scheduler) if target.scheduler else None
+    if probe:
+        await probe.start()
+    gaps = arrival_gaps(len(requests), target.options.request_rate, seed)
+    outputs, duration = await run_requests(target.server, requests, gaps, target.options)
+    result = summarize(outputs, duration)
+    if probe:
+        result |= await probe.finish()
+    errors = sorted({o.error for o in outputs if not o.success})
+    if errors:
+        result["errors"] = errors[:5]
+    return result

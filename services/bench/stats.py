@@ -1,0 +1,46 @@
+"""The scheduler's side of a benchmark run, read over its GetStats RPC.
+
+`start()` resets the workers' step timelines (a new measurement window) and snapshots the
+counters; `finish()` reads the bubble per stage over the window and the counters' change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerProbe:
+    """Bubble per stage, prefix-cache hit rate and preemptions over one run."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._start = None
+
+    async def _stats(self, reset: bool):
+        from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            request = scheduler_pb2.GetStatsRequest(reset_timelines=reset)
+            return await stub.GetStats(request, timeout=30)
+
+    async def start(self) -> None:
+        self._start = await self._stats(reset=True)
+
+    async def finish(self) -> dict:
+        """bubble_fraction (per stage, over the window), prefix_cache_hit_rate (since the
+        scheduler started), preemptions (during the window), scheduling, num_stages."""
+        end = await self._stats(reset=False)
+        start_preempted = self._start.num_preempted_total if self._start else 0
+        return {
+            "bubble_fraction": [round(b, 4) for b in end.bubble_fraction],
+            "prefix_cache_hit_rate": end.prefix_cache_hit_rate,
+            "preemptions": end.num_preempted_total - start_preempted,
+            "scheduling": end.scheduling,
+            "num_stages": end.num_stages,
+            "mean_schedule_us": end.mean_schedule_us,
+        }

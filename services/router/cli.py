@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-timeout", type=float, default=60.0,
                         help="seconds a broken scheduler stream keeps trying to resume "
                              "(default: 60)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
+                             "file:///PATH (JSON lines) (default: off)")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace):
@@ -30,6 +35,7 @@ def build_config(args: argparse.Namespace):
         scheduler_address=args.scheduler, model_dir=args.model, port=args.port,
         host=args.host, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, resume_timeout_s=args.resume_timeout,
+        metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint,
     )  # fmt: skip
 
 

@@ -35,6 +35,10 @@ class RouterConfig:
     """Most stop strings one request may carry."""
     max_stop_string_chars: int = 256
     """Longest stop string, in characters."""
+    metrics_port: int | None = None
+    """Port of the Prometheus endpoint (`--metrics-port`); None: no metrics."""
+    otlp_endpoint: str | None = None
+    """Where spans go (`--otlp-endpoint`, see services/common/telemetry.py); None: no tracing."""
 
     def __post_init__(self) -> None:
         if not self.scheduler_address or ":" not in self.scheduler_address:
@@ -43,6 +47,13 @@ class RouterConfig:
             raise ConfigError(f"--model={self.model_dir} is not a directory")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port={self.port} is out of range: must be in [1, 65535]")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port={self.metrics_port} is out of range: must be in "
+                              "[1, 65535]")  # fmt: skip
+        if self.otlp_endpoint:
+            from services.common.telemetry import check_endpoint
+
+            check_endpoint(self.otlp_endpoint)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len={self.max_model_len} must be >= 2")
         if self.served_model_name == "":

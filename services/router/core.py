@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.router.errors import RequestFailed
+from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
 from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
 from services.router.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the core itself never imports grpc
+    from services.common.metrics import RouterMetrics
+    from services.common.telemetry import Tracing
     from services.router.upstream import SchedulerClient
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class RouterCore:
     limits: ModelLimits
     scheduler: SchedulerClient
     is_ready: bool = False  # the scheduler was SERVING at the last health poll
+    metrics: RouterMetrics | None = None  # --metrics-port; None: no hook runs
+    tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created
     _aborts: set[asyncio.Task] = field(default_factory=set)
 
     def prepare(self, req: GenerateInput) -> PreparedRequest:
@@ -51,22 +56,35 @@ class RouterCore:
         """
         builder = OutputBuilder.for_request(self.tokenizer, req)
         is_upstream_done = False
+        obs = None
+        if self.metrics is not None or self.tracing is not None:
+            obs = RequestObservation(self.metrics, self.tracing, req.request_id,
+                                     len(req.prompt_ids))  # fmt: skip
+        ended_as = None  # finish reason of a request the client stopped waiting for
         try:
-            async with contextlib.aclosing(self.scheduler.stream(req)) as deltas:
+            stream = self.scheduler.stream(req, metadata=obs.metadata if obs else None)
+            async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     is_upstream_done = delta.finish_reason is not None
                     out = builder.add(delta)
                     if out is None:
                         continue
+                    if obs is not None:
+                        obs.on_output(out)
                     if out.finish_reason == "error":
                         raise RequestFailed(f"request {req.request_id} failed in the "
                                             f"scheduler: {out.error or 'no reason given'}")  # fmt: skip
                     yield out
                     if out.finish_reason is not None:
                         return
+        except (asyncio.CancelledError, GeneratorExit):
+            ended_as = "abort"  # the client cancelled or its deadline passed
+            raise
         finally:
             if not is_upstream_done:
                 self._abort_soon(req.request_id)
+            if obs is not None:
+                obs.end(ended_as)
 
     def _abort_soon(self, request_id: str) -> None:
         """Aborts in a task of its own, so that a cancelled caller still frees the blocks."""

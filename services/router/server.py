@@ -71,6 +71,7 @@ def build_core(config: RouterConfig) -> RouterCore:
 async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM/SIGINT, then drains gracefully."""
     core = build_core(config)
+    close_observers = install_observers(core, config)
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -98,3 +99,28 @@ async def serve(config: RouterConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
     await core.scheduler.close()
+    close_observers()
+
+
+def install_observers(core: RouterCore, config: RouterConfig):
+    """Sets the core's metrics and tracing as the config asks; returns their closer."""
+    from services.common.telemetry import make_tracing
+
+    core.tracing = make_tracing(config.otlp_endpoint, "conveyor-router")
+    server = None
+    if config.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from services.common.metrics import RouterMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        core.metrics = RouterMetrics(registry, core.limits.name)
+        server = serve_metrics(registry, config.metrics_port)
+
+    def close() -> None:
+        if server is not None:
+            server.close()
+        if core.tracing is not None:
+            core.tracing.shutdown()
+
+    return close

@@ -111,13 +111,16 @@ class SchedulerClient:
             return False
         return reply.aborted
 
-    async def stream(self, req: PreparedRequest) -> AsyncIterator[SchedulerDelta]:
-        """Submits `req` and yields its deltas until one carries a finish reason."""
+    async def stream(self, req: PreparedRequest,
+                     metadata: tuple[tuple[str, str], ...] | None = None,
+                     ) -> AsyncIterator[SchedulerDelta]:  # fmt: skip
+        """Submits `req` and yields its deltas until one carries a finish reason.
+        `metadata` goes with the Submit call (the W3C traceparent when tracing)."""
         submit = scheduler_pb2.SubmitRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids,
             sampling=sampling_to_pb(req.sampling), priority=req.priority, tenant=req.tenant,
         )  # fmt: skip
-        call = self._stub.Submit(submit)
+        call = self._stub.Submit(submit, metadata=metadata)
         pending = None  # a message the resume already read from `call`
         next_offset, has_output = 0, False
         try:

@@ -82,6 +82,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds finished requests stay in Redis (default: 3600)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
+        "file:///PATH (JSON lines) (default: off)",
+    )
+    parser.add_argument(
+        "--trace-scheduler",
+        default=None,
+        metavar="FILE",
+        help="append every request state transition and step plan to FILE as JSON lines",
+    )
+    parser.add_argument(
         "--timeline",
         default=None,
         help="on stop, write a Chrome/Perfetto trace of every stage to FILE",

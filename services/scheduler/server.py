@@ -49,9 +49,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         try:
             sampling = sampling_from_pb(request.sampling)
+            traceparent = None
+            if self.service.observer is not None:
+                traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
             queue = self.service.submit(
                 request.request_id, list(request.prompt_token_ids), sampling,
                 priority=request.priority, tenant=request.tenant, weight=request.weight,
+                traceparent=traceparent,
             )  # fmt: skip
         except ConveyorError as exc:
             await abort_with(context, exc)
@@ -147,6 +151,7 @@ async def stats_to_pb(
 
 async def serve(args, options: ServiceOptions) -> None:
     from services.common.redis_server import RedisServer
+    from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
     from services.scheduler.timeline import write_chrome_trace
 
@@ -159,6 +164,9 @@ async def serve(args, options: ServiceOptions) -> None:
     store = RedisStateStore(redis_url, finished_ttl_s=args.finished_ttl)
     pipeline = Pipeline([a.strip() for a in args.workers.split(",") if a.strip()])
     service = SchedulerService(options, pipeline, store)
+    close_observers = install_observers(
+        service, store, args.metrics_port, args.otlp_endpoint, args.trace_scheduler
+    )
 
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
@@ -203,6 +211,7 @@ async def serve(args, options: ServiceOptions) -> None:
     starter.cancel()
     await server.stop(grace=3)
     await service.stop()
+    close_observers()
     store.close()
     if redis_server:
         redis_server.stop()

@@ -75,6 +75,8 @@ class SchedulerService:
         self._inflight = 0
         self._task: asyncio.Task | None = None
         self._on_serving_change = None
+        self.observer = None
+        """A `SchedulerObserver` (event trace, spans, metrics), or None: no hook runs."""
 
     @property
     def inflight(self) -> int:
@@ -115,6 +117,10 @@ class SchedulerService:
             max_waiting=opts.max_waiting,
         )
         self.scheduler = await asyncio.to_thread(Scheduler.recover, config, self.store)
+        if self.observer is not None:
+            self.scheduler.outputs.on_state = self.observer.on_state
+            for request in self.scheduler.requests.values():  # recovered: first seen here
+                self.observer.on_state(request)
         await self._open_session()
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
 
@@ -122,15 +128,18 @@ class SchedulerService:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.observer is not None:
+            self.observer.close()
         await self.pipeline.shutdown()
 
     # ------------------------------------------------------------------ requests
     def submit(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        priority: int = 0, tenant: str = "", weight: float = 0.0,
+        priority: int = 0, tenant: str = "", weight: float = 0.0, traceparent: str | None = None,
     ) -> asyncio.Queue:  # fmt: skip
         """Queues a request; returns the queue its deltas arrive on. Raises the core's
-        errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError)."""
+        errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError). `traceparent`
+        (W3C) names the router's span, the parent of this request's span."""
         if not self.serving or self.scheduler is None:
             raise PipelineUnavailable("the pipeline is not whole: retry in a few seconds")
         if sampling.seed is None and not sampling.is_greedy:
@@ -143,6 +152,8 @@ class SchedulerService:
         )  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add_request(request)
+        if self.observer is not None:
+            self.observer.on_submit(request, traceparent)
         self._subscribers.setdefault(request_id, []).append(queue)
         self._wake.set()
         return queue
@@ -194,7 +205,10 @@ class SchedulerService:
     async def _dispatch(self) -> None:
         scheduler = self.scheduler
         is_async = self.options.scheduling == "async"
+        observer = self.observer
         while self._inflight < self.max_inflight and scheduler.has_unfinished:
+            if observer is not None:
+                observer.begin_step(scheduler.next_step_id)
             t0 = time.perf_counter()
             plan = scheduler.schedule()
             self.counters.schedule_s += time.perf_counter() - t0
@@ -202,7 +216,10 @@ class SchedulerService:
                 break
             self.counters.num_steps += 1
             self._inflight += 1
-            await self.pipeline.send(plan_to_pb(plan, is_async).SerializeToString())
+            msg = plan_to_pb(plan, is_async)
+            if observer is not None:
+                msg.trace_parent = observer.on_plan(plan)
+            await self.pipeline.send(msg.SerializeToString())
 
     async def _wait_and_process(self) -> None:
         reports = self.pipeline.reports
@@ -230,6 +247,8 @@ class SchedulerService:
             raise PipelineBroken(report)
         self._inflight -= 1
         self.counters.num_reports += 1
+        if self.observer is not None:
+            self.observer.begin_step(report.step_id)
         deltas = self.scheduler.process_result(result_from_report(report))
         self._publish(deltas)
 

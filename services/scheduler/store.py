@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from array import array
+from collections.abc import Callable
 from dataclasses import asdict
 
 import redis
@@ -84,6 +86,8 @@ class RedisStateStore:
         self.url = url
         self.finished_ttl_s = finished_ttl_s
         self.round_trips = 0
+        self.on_round_trip: Callable[[float], None] | None = None
+        """Called with the seconds of every round trip (the redis_round_trip metric)."""
         # No hidden retries: a failed round trip surfaces at once and the caller re-sends.
         self._client = redis.Redis.from_url(
             url,
@@ -193,18 +197,19 @@ class RedisStateStore:
         return self._script_sha
 
     def _execute(self, pipe) -> list:
-        self.round_trips += 1
-        try:
-            return pipe.execute(raise_on_error=False)
-        except RedisError as exc:
-            raise self._error(exc) from exc
+        return self._execute_one(lambda _client: pipe.execute(raise_on_error=False))
 
     def _execute_one(self, command):
         self.round_trips += 1
+        observe = self.on_round_trip
+        t0 = time.perf_counter() if observe is not None else 0.0
         try:
             return command(self._client)
         except RedisError as exc:
             raise self._error(exc) from exc
+        finally:
+            if observe is not None:
+                observe(time.perf_counter() - t0)
 
     def _error(self, exc: Exception) -> StateStoreError:
         return StateStoreError(

@@ -10,6 +10,7 @@ a flush that half-reached Redis and is sent again appends nothing twice.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from services.common.step import TokenLogprobs
 from services.scheduler.request import Request, RequestStatus
@@ -25,6 +26,8 @@ class StepOutputs:
         self.store = store
         self._updates: dict[str, RequestUpdate] = {}
         self._deltas: dict[str, TokenDelta] = {}
+        self.on_state: Callable[[Request], None] | None = None
+        """Called after every state change (the scheduler's event trace, spans, metrics)."""
 
     def persist_new(self, request: Request) -> None:
         """Write a new request now (its own round trip): a submission is acknowledged only
@@ -33,6 +36,8 @@ class StepOutputs:
             self.store.add(request)
 
     def record_state(self, request: Request) -> None:
+        if self.on_state is not None:
+            self.on_state(request)
         if self.store is None:
             return
         update = self._update(request.request_id)

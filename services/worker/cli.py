@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: cores / stages, at least 1)")
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
+                             "file:///PATH (JSON lines) (default: off)")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace):

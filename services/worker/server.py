@@ -56,6 +56,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self._session_lock = asyncio.Lock()
+        self.observer = None
+        """A `StepObserver` (step metrics, spans), or None: no hook runs."""
 
     def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
         self.engine = engine
@@ -119,8 +121,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             loop = asyncio.get_running_loop()
             reports: asyncio.Queue = asyncio.Queue()
             is_last = self.engine.transport.is_last
+            observer = self.observer
 
             def on_outcome(outcome: StepOutcome) -> None:
+                if observer is not None:
+                    observer.on_outcome(outcome)
                 if is_last or outcome.error:
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
@@ -140,10 +145,15 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             finally:
                 reader.cancel()
                 await asyncio.to_thread(self.engine.stop)
+                if observer is not None:
+                    observer.reset()
                 logger.info("stage %d: session ended", self.stage)
 
     async def _read_plans(self, request_iterator) -> None:
+        observer = self.observer
         async for msg in request_iterator:
+            if observer is not None:
+                observer.on_plan(msg)
             self.engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
 
 
@@ -153,6 +163,7 @@ async def serve(args: argparse.Namespace) -> None:
     import torch
 
     from services.worker.cli import build_config
+    from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
     config = build_config(args)
@@ -166,6 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = Path(args.model)
     servicer = StageWorkerServicer(args.stage, args.stages, model_dir.name)
     worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, server)
+    close_observers = install_observers(servicer, args.stage, args.metrics_port, args.otlp_endpoint)
     server.add_insecure_port(f"{args.host}:{args.port}")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -190,5 +202,6 @@ async def serve(args: argparse.Namespace) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
+    close_observers()
 
 

@@ -1,0 +1,213 @@
+"""Prometheus metrics of every service: names, units, buckets, and the HTTP endpoint.
+
+Names keep vLLM's meanings under the `conveyor:` prefix; times are in seconds; prometheus
+appends `_total` to counters and `_bucket` / `_sum` / `_count` to histograms. Who owns what:
+
+    router     time_to_first_token_seconds, inter_token_latency_seconds,
+               e2e_request_latency_seconds, prompt_tokens, generation_tokens,
+               request_success{finished_reason}                    (what the client sees)
+    scheduler  request_queue_time_seconds, num_requests_running / _waiting,
+               num_preemptions, kv_cache_usage_perc, prefix_cache_queries / _hits,
+               redis_round_trip_seconds, scheduler_steps           (queue, KV, Redis)
+    worker     stage_step_seconds, stage_wait_seconds, stage_batch_size,
+               stage_batch_tokens, pipeline_bubble_fraction        (all with a `stage` label)
+
+Each process builds its own `CollectorRegistry` (nothing is registered at import) and only
+when `--metrics-port` is given; without it no metric object exists and the services skip
+every hook. Gauges that mirror state (queue sizes, KV usage, bubble) are read at scrape time
+by a collector, so they cost nothing per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# 1 ms .. ~10 min: request latencies (TTFT, e2e, queue time, inter-token).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+# 50 us .. 10 s: one step of one stage, one Redis round trip.
+STEP_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """The HTTP endpoint serving one registry in Prometheus text format."""
+
+    registry: CollectorRegistry
+    port: int
+    _server: object = None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serves `registry` on http://host:port/metrics (a daemon thread of prometheus-client)."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+    return MetricsServer(registry, port, server)
+
+
+class RouterMetrics:
+    """Latencies and token counts as the client sees them."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "conveyor:time_to_first_token_seconds", "Time to first token.",
+            labels, registry=registry, buckets=LATENCY_BUCKETS,
+        ).labels(model_name)  # fmt: skip
+        self.itl = Histogram(
+            "conveyor:inter_token_latency_seconds",
+            "Time between two outputs of one request (one observation per streamed delta).",
+            labels, registry=registry, buckets=LATENCY_BUCKETS,
+        ).labels(model_name)  # fmt: skip
+        self.e2e = Histogram(
+            "conveyor:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+            labels, registry=registry, buckets=LATENCY_BUCKETS,
+        ).labels(model_name)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "conveyor:prompt_tokens", "Prompt tokens of finished requests.",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.generation_tokens = Counter(
+            "conveyor:generation_tokens", "Output tokens streamed to clients.",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        success = Counter(
+            "conveyor:request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=registry,
+        )  # fmt: skip
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+
+
+class SchedulerMetrics:
+    """Histograms the scheduler observes; its gauges come from `SchedulerCollector`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.queue_time = Histogram(
+            "conveyor:request_queue_time_seconds",
+            "Time from arrival to the first step that schedules the request.",
+            registry=registry, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.redis_round_trip = Histogram(
+            "conveyor:redis_round_trip_seconds", "One Redis round trip (a pipelined step write).",
+            registry=registry, buckets=STEP_BUCKETS,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class SchedulerSnapshot:
+    """What `SchedulerCollector` reads at scrape time."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+    num_inflight: int
+    kv_usage: float
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+
+class SchedulerCollector(Collector):
+    """Queue sizes, KV usage and prefix-cache counters, read from the scheduler per scrape."""
+
+    def __init__(self, snapshot: Callable[[], SchedulerSnapshot | None]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable:
+        snap = self._snapshot()
+        if snap is None:  # still waiting for the workers
+            return
+        yield _gauge("conveyor:num_requests_running", "Requests in the running set.",
+                     snap.num_running)  # fmt: skip
+        yield _gauge("conveyor:num_requests_waiting", "Requests waiting (incl. preempted).",
+                     snap.num_waiting)  # fmt: skip
+        yield _gauge("conveyor:num_steps_inflight", "Micro-batches in the pipeline.",
+                     snap.num_inflight)  # fmt: skip
+        yield _gauge("conveyor:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                     snap.kv_usage)  # fmt: skip
+        yield _gauge("conveyor:kv_cache_free_blocks", "Free KV blocks (cached ones included).",
+                     snap.num_free_blocks)  # fmt: skip
+        yield _gauge("conveyor:kv_cache_cached_blocks", "Blocks in the prefix cache.",
+                     snap.num_cached_blocks)  # fmt: skip
+        yield _counter("conveyor:num_preemptions", "Preemptions (recompute).",
+                       snap.num_preemptions)  # fmt: skip
+        yield _counter("conveyor:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                       "cache.", snap.num_queried_tokens)  # fmt: skip
+        yield _counter("conveyor:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       snap.num_hit_tokens)  # fmt: skip
+        yield _counter("conveyor:scheduler_steps", "Steps planned.", snap.num_steps)
+
+
+class WorkerMetrics:
+    """Per-step histograms of one stage; the bubble gauge comes from `BubbleCollector`."""
+
+    def __init__(self, registry: CollectorRegistry, stage: int):
+        label = str(stage)
+        self.step_time = Histogram(
+            "conveyor:stage_step_seconds", "Compute time of one step on one stage.",
+            ["stage"], registry=registry, buckets=STEP_BUCKETS,
+        ).labels(label)  # fmt: skip
+        self.wait_time = Histogram(
+            "conveyor:stage_wait_seconds",
+            "Time a step waited for activations or tokens from another stage.",
+            ["stage"], registry=registry, buckets=STEP_BUCKETS,
+        ).labels(label)  # fmt: skip
+        self.batch_size = Histogram(
+            "conveyor:stage_batch_size", "Requests in one step.",
+            ["stage"], registry=registry, buckets=BATCH_BUCKETS,
+        ).labels(label)  # fmt: skip
+        self.batch_tokens = Histogram(
+            "conveyor:stage_batch_tokens", "Tokens computed in one step.",
+            ["stage"], registry=registry, buckets=BATCH_BUCKETS,
+        ).labels(label)  # fmt: skip
+
+
+class BubbleCollector(Collector):
+    """`conveyor:pipeline_bubble_fraction{stage}`: idle / wall of a stage's recorded steps."""
+
+    def __init__(self, stage: int, bubble: Callable[[], float | None]):
+        self._stage = str(stage)
+        self._bubble = bubble
+
+    def collect(self) -> Iterable:
+        value = self._bubble()
+        if value is None:
+            return
+        family = GaugeMetricFamily(
+            "conveyor:pipeline_bubble_fraction",
+            "Idle fraction of the stage's wall time over its recorded steps (0-1).",
+            labels=["stage"],
+        )  # fmt: skip
+        family.add_metric([self._stage], value)
+        yield family
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.client.cli", "stream a completion from a running router"),
     "up": ("services.launcher", "start the whole stack on this machine"),
     "health": ("services.common.health_cli", "check a Conveyor service's gRPC health"),
+    "stats": ("services.common.stats_cli", "KV memory monitor: block usage, queues, bubble"),
     "bench": ("services.bench.cli", "benchmark a running stack, or --compare scheduling modes"),
 }
 

@@ -117,6 +117,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 argv += ["--threads", str(args.threads)]
             if args.layer_split:
                 argv += ["--layer-split", args.layer_split]
+            argv += _observability_args(args, 2 + stage)
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
         scheduler_addr = f"127.0.0.1:{scheduler_port}"
@@ -125,12 +126,16 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 *args.scheduler_args]  # fmt: skip
         if args.timeline:
             argv += ["--timeline", args.timeline]
+        if args.trace_scheduler:
+            argv += ["--trace-scheduler", args.trace_scheduler]
+        argv += _observability_args(args, 1)
         scheduler = stack.spawn("scheduler", argv, env)
         wait_serving(scheduler_addr, args.startup_timeout, scheduler)
         public_addr = scheduler_addr
         if _has_router():
             argv = ["router", "--scheduler", scheduler_addr, "--model", args.model,
-                    "--port", str(args.port), *args.router_args]  # fmt: skip
+                    "--port", str(args.port), *_observability_args(args, 0),
+                    *args.router_args]  # fmt: skip
             router = stack.spawn("router", argv, env)
             public_addr = f"127.0.0.1:{args.port}"
             wait_serving(public_addr, args.startup_timeout, router)
@@ -138,6 +143,17 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     except BaseException:
         stack.stop()
         raise
+
+
+def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
+    """--metrics-port (the router on N, the scheduler on N+1, stage i on N+2+i) and
+    --otlp-endpoint for one child."""
+    argv = []
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port + offset)]
+    if args.otlp_endpoint:
+        argv += ["--otlp-endpoint", args.otlp_endpoint]
+    return argv
 
 
 def _has_router() -> bool:
@@ -165,6 +181,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scheduler gRPC port (default: a free port)")
     parser.add_argument("--timeline", default=None,
                         help="write a Chrome/Perfetto trace of the pipeline to FILE on stop")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="Prometheus metrics: the router on N, the scheduler on N+1, "
+                             "stage i on N+2+i (default: off)")  # fmt: skip
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export OpenTelemetry spans of every service: http://HOST:4317, "
+                             "grpc://HOST:PORT or file:///PATH (default: off)")  # fmt: skip
+    parser.add_argument("--trace-scheduler", default=None, metavar="FILE",
+                        help="the scheduler appends every request transition and step plan "
+                             "to FILE as JSON lines")  # fmt: skip
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for every service to be SERVING (default: 300)")
     parser.add_argument("--scheduler-arg", dest="scheduler_args", action="append", default=[],

@@ -1,0 +1,113 @@
+"""`conveyor stats --server ADDR`: the KV memory monitor (the seed's memory monitor).
+
+Asks the scheduler for `GetStats` and prints block usage, free and cached blocks,
+fragmentation, prefix-cache hit rate, queue sizes, the bubble of every stage and the
+requests holding the most blocks. `--json` prints the same numbers as one JSON object;
+`--watch [SECONDS]` prints them again every SECONDS (default 2) until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_WATCH_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", required=True, help="the scheduler's gRPC address HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    parser.add_argument("--watch", type=float, nargs="?", const=DEFAULT_WATCH_S, default=None,
+                        metavar="SECONDS",
+                        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")  # fmt: skip
+    parser.add_argument("--top", type=int, default=10,
+                        help="requests listed by blocks held (default: 10)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds to wait for the scheduler (default: 10)")  # fmt: skip
+
+
+def stats_to_dict(msg, top: int) -> dict:
+    """The numbers of a SchedulerStats message, with the `top` requests by blocks held."""
+    blocks = sorted(msg.request_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {
+        "serving": msg.serving,
+        "scheduling": msg.scheduling,
+        "num_stages": msg.num_stages,
+        "num_waiting": msg.num_waiting,
+        "num_running": msg.num_running,
+        "num_inflight": msg.num_inflight,
+        "num_preempted_total": msg.num_preempted_total,
+        "num_steps": msg.num_steps,
+        "mean_schedule_us": msg.mean_schedule_us,
+        "block_size": msg.block_size,
+        "num_blocks": msg.num_blocks,
+        "num_used_blocks": msg.num_blocks - msg.num_free_blocks,
+        "num_free_blocks": msg.num_free_blocks,
+        "num_cached_blocks": msg.num_cached_blocks,
+        "kv_usage": msg.kv_usage,
+        "fragmentation": msg.fragmentation,
+        "prefix_cache_hit_rate": msg.prefix_cache_hit_rate,
+        "bubble_fraction": list(msg.bubble_fraction),
+        "num_requests_with_blocks": len(blocks),
+        "top_requests": [{"request_id": rid, "num_blocks": n} for rid, n in blocks[:top]],
+    }
+
+
+def format_table(stats: dict) -> str:
+    """A plain-text table of `stats_to_dict`'s numbers."""
+    bubbles = "  ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(stats["bubble_fraction"]))
+    rows = [
+        ("serving", f"{'yes' if stats['serving'] else 'no'} ({stats['scheduling']}, "
+                    f"{stats['num_stages']} stages)"),
+        ("requests", f"{stats['num_running']} running, {stats['num_waiting']} waiting, "
+                     f"{stats['num_preempted_total']} preemptions so far"),
+        ("steps", f"{stats['num_steps']} planned, {stats['num_inflight']} in flight, "
+                  f"{stats['mean_schedule_us']:.0f} us to plan one"),
+        ("KV blocks", f"{stats['num_used_blocks']} / {stats['num_blocks']} used "
+                      f"({stats['kv_usage']:.1%}), {stats['block_size']} tokens each"),
+        ("free blocks", f"{stats['num_free_blocks']} (of which {stats['num_cached_blocks']} "
+                        "hold cached prefixes)"),
+        ("fragmentation", f"{stats['fragmentation']:.1%} of allocated slots empty"),
+        ("prefix hit rate", f"{stats['prefix_cache_hit_rate']:.1%} of prompt tokens"),
+        ("bubble", bubbles or "n/a"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    if stats["top_requests"]:
+        shown, total = len(stats["top_requests"]), stats["num_requests_with_blocks"]
+        lines += ["", f"{'request':<40} {'blocks':>8}   (top {shown} of {total})"]
+        lines += [f"{r['request_id']:<40} {r['num_blocks']:>8}" for r in stats["top_requests"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    if args.watch is not None and args.watch <= 0:
+        print(f"--watch must be > 0 seconds, got {args.watch:g}")
+        return 1
+    with grpc.insecure_channel(args.server) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        try:
+            while True:
+                try:
+                    msg = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=args.timeout)
+                except grpc.RpcError as exc:
+                    print(f"{args.server}: {exc.code().name}: {exc.details()}")
+                    return 1
+                stats = stats_to_dict(msg, args.top)
+                if args.json:
+                    print(json.dumps(stats), flush=True)
+                else:
+                    if args.watch is not None and sys.stdout.isatty():
+                        print("\033[2J\033[H", end="")  # clear the terminal
+                    print(format_table(stats), flush=True)
+                if args.watch is None:
+                    return 0
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0

@@ -63,7 +63,7 @@ def plot_trace(trace_path: str | Path, png_path: str | Path, title: str = "",
     lo, hi = steady_window(stages, num_steps)
     num_stages = len(stages)
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * num_stages))
-    for row, (stage, slices) in enumerate(stages.items()):
+    for row, slices in enumerate(stages.values()):
         y = (num_stages - 1 - row) * 10
         ax.broken_barh([(lo, hi - lo)], (y, 8), facecolors="#e8e8e8")  # idle background
         shown = [(s, d, i) for s, d, i in slices if s + d > lo and s < hi]

@@ -21,8 +21,8 @@ def test_random_requests_lengths_within_range_ratio():
     requests = random_requests(POOL, 200, input_len=100, output_len=50, range_ratio=0.5, seed=2)
     input_lens = [len(r.prompt_ids) for r in requests]
     output_lens = [r.output_len for r in requests]
-    assert 50 <= min(input_lens) and max(input_lens) <= 150 and len(set(input_lens)) > 10
-    assert 25 <= min(output_lens) and max(output_lens) <= 75
+    assert min(input_lens) >= 50 and max(input_lens) <= 150 and len(set(input_lens)) > 10
+    assert min(output_lens) >= 25 and max(output_lens) <= 75
 
 
 def test_random_requests_same_seed_same_prompts_other_seed_other_prompts():

@@ -80,8 +80,12 @@ class FakePipeline:
         from services.common.pb import plan_from_pb
 
         result = self.workers.run(plan_from_pb(worker_pb2.StepPlan.FromString(plan_bytes)))
-        report = worker_pb2.StepReport(step_id=result.step_id, stage=1,
-                                       request_ids=result.request_ids, token_ids=result.token_ids)
+        report = worker_pb2.StepReport(
+            step_id=result.step_id,
+            stage=1,
+            request_ids=result.request_ids,
+            token_ids=result.token_ids,
+        )
         self.reports.put_nowait((1, report))
 
     async def close(self) -> None:
@@ -191,8 +195,12 @@ def test_router_observes_and_propagates_when_on(tiny_model_dir, tmp_path, calls)
     assert calls["Tracer.start_span"] == 1
     assert registry.get_sample_value("conveyor:generation_tokens_total",
                                      {"model_name": "tiny"}) == 3  # fmt: skip
-    assert registry.get_sample_value("conveyor:request_success_total",
-                                     {"model_name": "tiny", "finished_reason": "length"}) == 1
+    assert (
+        registry.get_sample_value(
+            "conveyor:request_success_total", {"model_name": "tiny", "finished_reason": "length"}
+        )
+        == 1
+    )
 
 
 # -- worker ------------------------------------------------------------------------------

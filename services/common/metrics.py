@@ -28,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.common.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # 1 ms .. ~10 min: request latencies (TTFT, e2e, queue time, inter-token).
@@ -60,8 +62,15 @@ class MetricsServer:
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
-    """Serves `registry` on http://host:port/metrics (a daemon thread of prometheus-client)."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    """Serves `registry` on http://host:port/metrics (a daemon thread of prometheus-client).
+    Raises ConfigError when the port is out of range or taken."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--metrics-port={port} is out of range: must be in [1, 65535]")
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port={port}: cannot listen ({exc.strerror}); pick a free "
+                          "port") from exc  # fmt: skip
     logger.info("metrics on http://%s:%d/metrics", host, port)
     return MetricsServer(registry, port, server)
 

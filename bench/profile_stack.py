@@ -72,8 +72,10 @@ def main() -> int:
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if not shutil.which("py-spy"):
-        sys.exit("py-spy is not on PATH: run inside the project's virtualenv")
+    beside = Path(sys.executable).parent / "py-spy"
+    py_spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if not py_spy:
+        sys.exit("py-spy not found: install the project's dev extras (pip install py-spy)")
     from services.models.fetch import fetch_model
 
     model = args.model or fetch_model("smollm2-135m")
@@ -94,7 +96,7 @@ def main() -> int:
         for name, pid in pids.items():
             for fmt, suffix in (("raw", "txt"), ("speedscope", "speedscope.json")):
                 spies[name, fmt] = subprocess.Popen(
-                    ["py-spy", "record", "--pid", str(pid), "--rate", str(args.rate),
+                    [py_spy, "record", "--pid", str(pid), "--rate", str(args.rate),
                      "--duration", str(args.duration), "--format", fmt, "--nonblocking",
                      "--output", str(out_dir / f"{name}.{suffix}")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -20,6 +20,7 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
+from services.bench.cpu import CpuMeter
 from services.bench.datasets import BenchRequest, random_requests
 from services.bench.driver import DriverOptions, token_pool
 from services.bench.plot import plot_trace
@@ -56,8 +57,11 @@ async def _bench_mode(stack: RunningStack, requests: list[BenchRequest],
     output_len = max(r.output_len for r in requests)
     single = random_requests(pool, 1, len(requests[0].prompt_ids), output_len, seed=seed + 202)
     alone = await run_benchmark(BenchTarget(stack.router, None, quiet), single)
+    meter = CpuMeter([stack.proc.pid, os.getpid()])
+    meter.start()
     result = await run_benchmark(BenchTarget(stack.router, stack.scheduler, options), requests,
                                  seed=seed)  # fmt: skip
+    result["cpu"] = meter.stop()
     result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
     return result
 
@@ -108,7 +112,7 @@ def ratios(results: dict[str, dict]) -> list[dict]:
 def comparison_table(results: dict[str, dict], ratio_rows: list[dict]) -> str:
     labels = {m.key: m.label for m in MODES} | {HF_KEY: "transformers static batch"}
     header = ["mode", "out tok/s", "req/s", "TTFT ms", "TPOT ms", "p99 ITL ms", "bubble",
-              "1-req TPOT ms"]  # fmt: skip
+              "1-req TPOT ms", "others' cores"]  # fmt: skip
     rows = []
     for key, res in results.items():
         rows.append([labels.get(key, key), f"{res['output_throughput']:.1f}",
@@ -117,11 +121,14 @@ def comparison_table(results: dict[str, dict], ratio_rows: list[dict]) -> str:
                      f"{res['p99_itl_ms']:.1f}" if "p99_itl_ms" in res else "-",
                      _bubbles(res) if "bubble_fraction" in res else "-",
                      f"{res['single_request_tpot_ms']:.1f}"
-                     if "single_request_tpot_ms" in res else "-"])  # fmt: skip
+                     if "single_request_tpot_ms" in res else "-",
+                     res.get("cpu", {}).get("other_cores", "-")])  # fmt: skip
     ratio_grid = grid(["ratio", "measured", "target", ""],
                       [[r["name"], f"{r['value']:.2f}", r["target"], "ok" if r["met"] else "MISS"]
                        for r in ratio_rows])  # fmt: skip
-    return grid(header, rows) + "\n\n" + ratio_grid
+    note = ("others' cores: CPU used by other processes during the run (of "
+            f"{os.cpu_count()}); ratios between runs with different values are noise")
+    return grid(header, rows) + "\n" + note + "\n\n" + ratio_grid
 
 
 def run_compare(args: argparse.Namespace, workload: Workload, options: DriverOptions) -> int:
@@ -139,7 +146,10 @@ def run_compare(args: argparse.Namespace, workload: Workload, options: DriverOpt
         from services.bench.hf_baseline import hf_static_batching
 
         print(f"--- transformers static batching: {len(requests)} requests", flush=True)
+        meter = CpuMeter([os.getpid()])
+        meter.start()
         results[HF_KEY] = hf_static_batching(model_dir, requests, threads=2)
+        results[HF_KEY]["cpu"] = meter.stop()
     ratio_rows = ratios(results)
     report = {
         "workload": asdict(workload),

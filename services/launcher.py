@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies (Linux)."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -62,7 +63,7 @@ class Stack:
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", *argv]
         logger.info("starting %s: %s", name, " ".join(argv))
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         self.procs.append((name, proc))
         return proc
 

@@ -317,6 +317,7 @@ class Scheduler:
             request.pending_step_ids.clear()
             request.num_tokens_on_workers = None
             request.num_computed_tokens = 0
+            request.next_step_id = 0  # no step of the lost session is in flight any more
             self.policy.requeue(request)
         self.running.clear()
         self._finished_ids = []  # fresh workers hold nothing to drop

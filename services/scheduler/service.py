@@ -227,7 +227,12 @@ class SchedulerService:
             self._wake.clear()
             getter = asyncio.ensure_future(reports.get())
             waker = asyncio.ensure_future(self._wake.wait())
-            done, _ = await asyncio.wait({getter, waker}, return_when=asyncio.FIRST_COMPLETED)
+            # Nothing in flight yet work left (a request waiting out the pipeline rule):
+            # plan again soon rather than wait for a report that will not come.
+            timeout = 0.05 if self._inflight == 0 and self.scheduler.has_unfinished else None
+            done, _ = await asyncio.wait(
+                {getter, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             waker.cancel()
             if getter not in done:
                 getter.cancel()

@@ -20,13 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.common.step import StepPlan, StepResult
 from services.worker.runner import StageRunner
-from services.worker.transport import StageTransport
+from services.worker.transport import PipelineLink, StageTransport
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,27 @@ class StepOutcome:
     record: StepRecord | None
     result: StepResult | None = None
     error: str | None = None
+
+
+@dataclass(slots=True)
+class _Session:
+    """One Run stream's worth of work: its plans, its callback, its rendezvous epoch."""
+
+    plans: queue.Queue
+    on_outcome: Callable[[StepOutcome], None]
+    epoch: int
+    thread: threading.Thread | None = None
+    link: PipelineLink | None = None
+    broken: str | None = None
+    """Why the session cannot run plans any more (each later plan is answered with it)."""
+    is_stale: bool = False
+    """Set when the session ended; a thread still running it must leave the runner alone."""
+    pending_tokens: dict[str, int] = field(default_factory=dict)
+    """Stage 0, async: tokens from the last stage not yet used as a decode input."""
+    sampling_ids: dict[int, list[str]] = field(default_factory=dict)
+    """Stage 0, async: per step, the requests that sample, in batch order."""
+    registered_at: dict[str, int] = field(default_factory=dict)
+    """Stage 0: the step a request was last sent whole (older tokens are stale)."""
 
 
 class Timeline:
@@ -92,15 +113,8 @@ class StageEngine:
         self._hidden_size = runner.model.config.hidden_size
         self._dtype = next(runner.model.parameters()).dtype
         self.timeline = Timeline()
-        self._plans: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._on_outcome: Callable[[StepOutcome], None] | None = None
-        self._pending_tokens: dict[str, int] = {}
-        self._sampling_ids: dict[int, list[str]] = {}  # stage 0, async: per step
-        self._registered_at: dict[str, int] = {}  # stage 0: step a request was last sent whole
-        self._next_token_step = 0
-        self._broken: str | None = None
-        self._epoch = 0
+        self._session: _Session | None = None
+        self._runner_lock = threading.Lock()
 
     @property
     def stage(self) -> int:
@@ -111,92 +125,104 @@ class StageEngine:
         return self.transport.num_stages
 
     def start(self, on_outcome: Callable[[StepOutcome], None], epoch: int = 0) -> None:
-        """Starts a session: connects the pipeline group (rendezvous keys of `epoch`) on the
-        compute thread."""
-        self._on_outcome = on_outcome
-        self._epoch = epoch
-        self._broken = None
-        self._thread = threading.Thread(target=self._loop, name=f"stage{self.stage}", daemon=True)
-        self._thread.start()
+        """Starts a session: joins the pipeline group (rendezvous keys of `epoch`) on a
+        fresh compute thread. A previous session is stopped first."""
+        if self._session is not None:
+            self.stop()
+        session = _Session(queue.Queue(), on_outcome, epoch)
+        session.thread = threading.Thread(
+            target=self._loop, args=(session,), name=f"stage{self.stage}", daemon=True
+        )
+        self._session = session
+        session.thread.start()
 
     def submit(self, plan: StepPlan, tokens_from_last_stage: bool) -> None:
-        self._plans.put((plan, tokens_from_last_stage))
+        self._session.plans.put((plan, tokens_from_last_stage))
 
-    def stop(self) -> None:
-        """Ends the session: drops request state, closes the group, joins the thread."""
-        self._plans.put(None)
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def stop(self, join_timeout_s: float = 5.0) -> None:
+        """Ends the session: plans not started are dropped and the compute thread joined.
+
+        A thread stuck waiting for a dead peer is abandoned: its wait fails when the
+        peer's socket closes (or at the transport timeout), and it then finds itself
+        stale and exits without touching the runner, which the next session owns.
+        """
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.is_stale = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                session.plans.get_nowait()
+        session.plans.put(None)
+        session.thread.join(join_timeout_s)
+        if session.thread.is_alive():
+            logger.warning("stage %d: abandoning a session stuck in a peer wait", self.stage)
 
     # ----------------------------------------------------------------- compute thread
-    def _loop(self) -> None:
+    def _loop(self, session: _Session) -> None:
         try:
-            self.transport.connect(self._epoch)
+            session.link = self.transport.connect(session.epoch)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler
             logger.exception("stage %d could not join the pipeline", self.stage)
-            self._broken = f"stage {self.stage} could not join the pipeline: {exc}"
+            session.broken = f"stage {self.stage} could not join the pipeline: {exc}"
+        with self._runner_lock:
+            if not session.is_stale:
+                self.runner.requests.clear()  # a new session starts from no request
         while True:
-            item = self._plans.get()
-            if item is None:
-                break
+            item = session.plans.get()
+            if item is None or session.is_stale:
+                return
             plan, tokens_from_last_stage = item
-            if self._broken:
-                self._emit(StepOutcome(plan.step_id, None, error=self._broken))
+            if session.broken:
+                session.on_outcome(StepOutcome(plan.step_id, None, error=session.broken))
                 continue
             try:
-                self._emit(self._execute(plan, tokens_from_last_stage))
+                outcome = self._execute(session, plan, tokens_from_last_stage)
             except Exception as exc:  # noqa: BLE001 - the session is over; tell the scheduler
+                if session.is_stale:
+                    return
                 logger.exception("stage %d failed at step %d", self.stage, plan.step_id)
-                self._broken = f"stage {self.stage} failed at step {plan.step_id}: {exc}"
-                self._emit(StepOutcome(plan.step_id, None, error=self._broken))
-        self._reset_session()
+                session.broken = f"stage {self.stage} failed at step {plan.step_id}: {exc}"
+                outcome = StepOutcome(plan.step_id, None, error=session.broken)
+            if outcome is None:  # stale
+                return
+            session.on_outcome(outcome)
 
-    def _reset_session(self) -> None:
-        with contextlib.suppress(Exception):  # a broken peer; the group is torn down anyway
-            self.transport.flush()
-        self.transport.close()
-        self.runner.requests.clear()
-        self._pending_tokens.clear()
-        self._sampling_ids.clear()
-        self._registered_at.clear()
-        self._next_token_step = 0
-
-    def _emit(self, outcome: StepOutcome) -> None:
-        if self._on_outcome is not None:
-            self._on_outcome(outcome)
-
-    def _execute(self, plan: StepPlan, tokens_from_last_stage: bool) -> StepOutcome:
+    def _execute(
+        self, session: _Session, plan: StepPlan, tokens_from_last_stage: bool
+    ) -> StepOutcome | None:
+        link = session.link
         t_wait = time.time_ns()
         hidden_in, input_tokens = None, None
         takes_tokens = tokens_from_last_stage and self.num_stages > 1
         if self.transport.is_first:
             for request_id in plan.finished_request_ids:
-                self._pending_tokens.pop(request_id, None)
-                self._registered_at.pop(request_id, None)
+                session.pending_tokens.pop(request_id, None)
+                session.registered_at.pop(request_id, None)
             for new in plan.new_requests:
-                self._pending_tokens.pop(new.request_id, None)
-                self._registered_at[new.request_id] = plan.step_id
+                session.pending_tokens.pop(new.request_id, None)
+                session.registered_at[new.request_id] = plan.step_id
             if takes_tokens:
-                self._receive_tokens(plan.step_id)
-                input_tokens = self._take_inputs(plan)
+                self._receive_tokens(session, plan.step_id)
+                input_tokens = self._take_inputs(session, plan)
         elif plan.num_requests:
-            hidden_in = self.transport.recv_hidden(
-                plan.num_scheduled_tokens, self._hidden_size, self._dtype
-            )
-        t_start = time.time_ns()
-        out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            hidden_in = link.recv_hidden(plan.num_scheduled_tokens, self._hidden_size, self._dtype)
+        with self._runner_lock:
+            if session.is_stale:
+                return None
+            t_start = time.time_ns()
+            out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            if self.transport.is_first and takes_tokens:
+                ids = self._sampling_request_ids(plan)
+                if ids:
+                    session.sampling_ids[plan.step_id] = ids
         result = None
         if self.transport.is_last:
             result = out
             if takes_tokens and result.token_ids:
-                self.transport.send_tokens(torch.tensor(result.token_ids, dtype=torch.int64))
+                link.send_tokens(torch.tensor(result.token_ids, dtype=torch.int64))
         elif plan.num_requests:
-            self.transport.send_hidden(out)
-        if self.transport.is_first and takes_tokens:
-            ids = self._sampling_request_ids(plan)
-            if ids:
-                self._sampling_ids[plan.step_id] = ids
+            link.send_hidden(out)
         t_end = time.time_ns()
         record = StepRecord(
             plan.step_id, plan.num_requests, plan.num_scheduled_tokens, t_start, t_end,
@@ -216,21 +242,21 @@ class StageEngine:
                 ids.append(entry.request_id)
         return ids
 
-    def _receive_tokens(self, step_id: int) -> None:
+    def _receive_tokens(self, session: _Session, step_id: int) -> None:
         """Stage 0, async: receives, in step order, the tokens of every step <= step_id - P."""
         last_needed = step_id - self.num_stages
-        pending_steps = sorted(s for s in self._sampling_ids if s <= last_needed)
-        for step in pending_steps:
-            ids = self._sampling_ids.pop(step)
-            tokens = self.transport.recv_tokens(len(ids)).tolist()
+        for step in sorted(s for s in session.sampling_ids if s <= last_needed):
+            ids = session.sampling_ids.pop(step)
+            tokens = session.link.recv_tokens(len(ids)).tolist()
             for request_id, token in zip(ids, tokens, strict=True):
-                if self._registered_at.get(request_id, step + 1) <= step:
-                    self._pending_tokens[request_id] = token
+                if session.registered_at.get(request_id, step + 1) <= step:
+                    session.pending_tokens[request_id] = token
 
-    def _take_inputs(self, plan: StepPlan) -> dict[str, int]:
+    @staticmethod
+    def _take_inputs(session: _Session, plan: StepPlan) -> dict[str, int]:
         inputs = {}
         for cached in plan.cached_requests:
-            token = self._pending_tokens.pop(cached.request_id, None)
+            token = session.pending_tokens.pop(cached.request_id, None)
             if token is not None:
                 inputs[cached.request_id] = token
         return inputs

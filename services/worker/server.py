@@ -112,11 +112,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"stage {self.stage} is still loading its model"
             )
-        if self._session_lock.locked():
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"stage {self.stage} already runs a session for another scheduler",
-            )
+        # A scheduler re-forming the pipeline may arrive while the previous session is still
+        # winding down (its waits are aborted, so that takes moments): wait for it.
         async with self._session_lock:
             loop = asyncio.get_running_loop()
             reports: asyncio.Queue = asyncio.Queue()
@@ -144,7 +141,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     break  # the scheduler closed the stream
             finally:
                 reader.cancel()
-                await asyncio.to_thread(self.engine.stop)
+                await asyncio.shield(asyncio.to_thread(self.engine.stop))
                 if observer is not None:
                     observer.reset()
                 logger.info("stage %d: session ended", self.stage)
@@ -180,6 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
     close_observers = install_observers(servicer, args.stage, args.metrics_port, args.otlp_endpoint)
     server.add_insecure_port(f"{args.host}:{args.port}")
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     logger.info("stage %d/%d: loading %s", args.stage, args.stages, args.model)
     runner = await asyncio.to_thread(StageRunner.from_config, config, args.seed)

@@ -1,7 +1,7 @@
 """The image, the manifests and the docs agree on one `conveyor` command line.
 
 Every command line that docker-compose.yml and the Helm chart run is collected; each subcommand
-must be documented in docs/deployment.md, and each one registered in `services.cli.COMMANDS` must
+must be documented in README.md, and each one registered in `services.cli.COMMANDS` must
 accept exactly the flags the manifests pass. Subcommands still being written are listed in
 PENDING: they are checked as soon as their module imports.
 """
@@ -38,7 +38,7 @@ PENDING_FLAGS = {
     ("router", "--metrics-port"),
 }
 DOCKERFILE = REPO / "Dockerfile"
-DOCS = REPO / "docs" / "deployment.md"
+DOCS = REPO / "README.md"
 
 
 def compose_argvs() -> list[tuple[str, list[str]]]:

@@ -18,7 +18,7 @@ import grpc
 
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_server import RedisServer, free_port
-from services.launcher import wait_serving
+from services.launcher import die_with_parent, wait_serving
 
 _ids = itertools.count()
 
@@ -54,9 +54,13 @@ class ProcessStack:
         return f"127.0.0.1:{self.scheduler_port}"
 
     def start(self, timeout_s: float = 180) -> ProcessStack:
-        for stage in range(self.stages):
-            self.start_worker(stage)
-        self.start_scheduler(timeout_s)
+        try:
+            for stage in range(self.stages):
+                self.start_worker(stage)
+            self.start_scheduler(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def start_worker(self, stage: int) -> None:
@@ -152,7 +156,9 @@ class ProcessStack:
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", os.environ.get("CONVEYOR_TEST_LOG", "WARNING"), *argv])
+    log_level = os.environ.get("CONVEYOR_TEST_LOG", "WARNING")
+    cmd = [sys.executable, "-m", "services.cli", "--log-level", log_level, *argv]
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

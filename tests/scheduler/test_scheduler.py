@@ -272,3 +272,18 @@ def test_schedule_requeue_running_after_pipeline_loss_finishes_with_exact_output
     assert not scheduler.running and scheduler.block_manager.num_free_blocks == config.num_blocks
     drive(scheduler, FakeWorkers(config.is_async, config.block_size), 3, trace=trace)
     assert trace.outputs == expected
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_schedule_requeue_running_admits_again_at_once(scheduling):
+    """Nothing of the lost session is in flight: the next plan takes the requests back, it
+    does not wait out the old session's pipeline spacing (nothing else would wake it)."""
+    config = make_config(num_stages=3, scheduling=scheduling, max_num_seqs=4)
+    scheduler = Scheduler(config)
+    for i in range(2):
+        scheduler.add_request(make_request(f"r{i}", 5, 12, ignore_eos=True))
+    plan = scheduler.schedule()
+    assert len(plan.new_requests) == 2
+    scheduler.requeue_running()
+    again = scheduler.schedule()
+    assert sorted(r.request_id for r in again.new_requests) == ["r0", "r1"]

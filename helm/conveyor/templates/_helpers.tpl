@@ -139,13 +139,17 @@ initContainers:
   readOnly: true
 {{- end }}
 
-{{/* Native gRPC probes on a Conveyor service's port (grpc.health.v1, service ""). */}}
+{{/* Native gRPC probes on a Conveyor service's port (grpc.health.v1). Readiness asks the
+server's overall status ("": SERVING once it can serve, e.g. the router only while the
+pipeline is whole); startup and liveness ask "liveness", SERVING while the process runs, so a
+broken pipeline makes pods unready, never restarts them. */}}
 {{- define "conveyor.grpcProbes" -}}
 {{- $port := index . 0 -}}
 {{- $startupFailures := index . 1 -}}
 startupProbe:
   grpc:
     port: {{ $port }}
+    service: liveness
   periodSeconds: 10
   failureThreshold: {{ $startupFailures }}
 readinessProbe:
@@ -156,6 +160,7 @@ readinessProbe:
 livenessProbe:
   grpc:
     port: {{ $port }}
+    service: liveness
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6

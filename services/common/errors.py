@@ -28,6 +28,14 @@ class UnknownRequest(ConveyorError, KeyError):
         return str(self.args[0]) if self.args else "unknown request"
 
 
+class RequestExists(ConveyorError):
+    """A request id that is already running (gRPC ALREADY_EXISTS)."""
+
+
+class ModelNotFound(ConveyorError):
+    """A model name this service does not serve (gRPC NOT_FOUND)."""
+
+
 class OutOfBlocks(ConveyorError):
     """The KV block pool cannot hold what was asked (internal: triggers preemption)."""
 

@@ -9,8 +9,11 @@ from services.common import errors
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no chat template
     (errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (errors.ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.RequestExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.PipelineUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.StateStoreError, grpc.StatusCode.UNAVAILABLE),
 ]

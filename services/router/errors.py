@@ -13,39 +13,17 @@ import logging
 import grpc
 
 from services.common import errors
+from services.common.grpc_errors import status_for
 
 logger = logging.getLogger(__name__)
 
 
-class RequestExists(errors.ConveyorError):
-    """A request id that is already running (gRPC ALREADY_EXISTS)."""
-
-
-class ModelNotFound(errors.ConveyorError):
-    """A KServe model name this router does not serve (gRPC NOT_FOUND)."""
+RequestExists = errors.RequestExists
+ModelNotFound = errors.ModelNotFound
 
 
 class RequestFailed(errors.ConveyorError):
     """The scheduler gave up on a request (gRPC INTERNAL, with the scheduler's reason)."""
-
-
-_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no chat template
-    (errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.UnknownRequest, grpc.StatusCode.NOT_FOUND),
-    (ModelNotFound, grpc.StatusCode.NOT_FOUND),
-    (RequestExists, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.PipelineUnavailable, grpc.StatusCode.UNAVAILABLE),
-]
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code of a domain exception; INTERNAL for anything else."""
-    for exc_type, code in _CODES:
-        if isinstance(exc, exc_type):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 def message_for(exc: BaseException) -> str:

@@ -26,10 +26,10 @@ import logging
 from dataclasses import dataclass
 
 from services.common.errors import (
-    InvalidRequest,
     OutOfBlocks,
     PromptTooLong,
     QueueFull,
+    RequestExists,
     UnknownRequest,
 )
 from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
@@ -85,10 +85,13 @@ class Scheduler:
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a new request (persisted first). Raises `QueueFull`, `PromptTooLong`,
-        `InvalidRequest`, or `StateStoreError` (then nothing is queued)."""
+        `RequestExists`, or `StateStoreError` (then nothing is queued)."""
         cfg = self.config
         if request.request_id in self.requests:
-            raise InvalidRequest(f"request id {request.request_id} is already in use")
+            raise RequestExists(
+                f"request id {request.request_id} is already in use: pick a unique id, or "
+                "Resume it to follow its stream"
+            )
         if request.num_tokens >= cfg.max_model_len:
             raise PromptTooLong(
                 f"request {request.request_id}: prompt of {request.num_tokens} tokens leaves "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,8 +58,6 @@ class StepTiming:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
-    history: list[tuple[int, float, float]] = field(default_factory=list)
-    """(step_id, start perf_counter, end perf_counter) of each step's compute."""
 
     @property
     def compute_s(self) -> float:
@@ -207,11 +205,10 @@ class StageRunner:
         t2 = time.perf_counter()
         out = self._sample(plan.step_id, batch, hidden, meta) if self.stage.is_last else hidden
         t3 = time.perf_counter()
-        self.last_timing = StepTiming(t1 - t0, t2 - t1, t3 - t2, [(plan.step_id, t0, t3)])
+        self.last_timing = StepTiming(t1 - t0, t2 - t1, t3 - t2)
         self.timing.prepare_s += t1 - t0
         self.timing.forward_s += t2 - t1
         self.timing.sample_s += t3 - t2
-        self.timing.history.append((plan.step_id, t0, t3))
         return out
 
     def _sample(

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.errors import ConfigError, PromptTooLong, QueueFull, UnknownRequest
+from services.common.errors import (
+    ConfigError,
+    PromptTooLong,
+    QueueFull,
+    RequestExists,
+    UnknownRequest,
+)
 from services.common.sampling import SamplingParams
 from services.common.step import StepResult
 from services.scheduler.request import Request
@@ -287,3 +293,11 @@ def test_schedule_requeue_running_admits_again_at_once(scheduling):
     scheduler.requeue_running()
     again = scheduler.schedule()
     assert sorted(r.request_id for r in again.new_requests) == ["r0", "r1"]
+
+
+def test_add_request_duplicate_id_is_refused_and_keeps_the_first():
+    scheduler = Scheduler(make_config())
+    scheduler.add_request(make_request("dup", 5, 4))
+    with pytest.raises(RequestExists, match="dup"):
+        scheduler.add_request(make_request("dup", 7, 4))
+    assert scheduler.requests["dup"].num_prompt_tokens == 5

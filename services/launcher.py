@@ -59,6 +59,8 @@ class Stack:
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     redis: RedisServer | None = None
+    scheduler_address: str | None = None
+    """Where `conveyor stats` and `conveyor bench --scheduler` reach the scheduler."""
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", *argv]
@@ -122,6 +124,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
         scheduler_addr = f"127.0.0.1:{scheduler_port}"
+        stack.scheduler_address = scheduler_addr
         argv = ["scheduler", "--workers", ",".join(worker_addrs), "--redis-url", redis_url,
                 "--port", str(scheduler_port), "--scheduling", args.scheduling,
                 *args.scheduler_args]  # fmt: skip
@@ -209,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    print(f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling})", flush=True)
+    print(f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
+          f"scheduler on {stack.scheduler_address}", flush=True)  # fmt: skip
     try:
         while not stopping:
             exited = stack.first_exited()

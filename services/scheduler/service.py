@@ -19,7 +19,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.errors import ConfigError, PipelineUnavailable, StateStoreError, UnknownRequest
 from services.common.pb import plan_to_pb, result_from_report
@@ -56,7 +56,6 @@ class StepCounters:
     num_steps: int = 0
     schedule_s: float = 0.0
     num_reports: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class SchedulerService:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.launcher import die_with_parent
+
+    die_with_parent()  # no-op unless started by `conveyor up` (or the tests) as a child
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, json_lines=args.log_json)
     return int(args._module.run(args) or 0)

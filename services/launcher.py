@@ -26,10 +26,29 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+PARENT_ENV = "CONVEYOR_DIE_WITH_PARENT"
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child that must not outlive this process (see `die_with_parent`).
+
+    No preexec_fn: running Python between fork and exec is unsafe in a process whose gRPC
+    threads are live (it aborted children here)."""
+    env = dict(os.environ if env is None else env)
+    env[PARENT_ENV] = str(os.getpid())
+    return env
+
+
 def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its parent dies (Linux)."""
-    with contextlib.suppress(OSError):
+    """Called first thing in a child started with `child_env`: SIGTERM when the parent dies
+    (Linux PR_SET_PDEATHSIG), or exit now if it is already gone."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit(f"parent process {parent} is gone")
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -65,7 +84,7 @@ class Stack:
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", *argv]
         logger.info("starting %s: %s", name, " ".join(argv))
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, env=child_env(env))
         self.procs.append((name, proc))
         return proc
 

@@ -24,7 +24,7 @@ from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import StageModel
 from services.worker.model.loader import load_stage_model, resolve_dtype
-from services.worker.model.stages import stage_spec
+from services.worker.model.stages import logits_layer_equivalents, stage_spec
 from services.worker.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -88,9 +88,12 @@ class StageRunner:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_dir(config.model_dir)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        logits_cost = logits_layer_equivalents(
+            model_config.vocab_size, model_config.hidden_size, model_config.num_layer_params
+        )  # the default split balances work, not layers (see model/stages.py)
         stage = stage_spec(
             model_config.num_hidden_layers, config.num_stages, config.stage_index,
-            config.layer_split,
+            config.layer_split, last_stage_extra=logits_cost,
         )  # fmt: skip
         model = load_stage_model(
             config.model_dir, stage, config.dtype, config.attention_backend,

@@ -18,7 +18,7 @@ import grpc
 
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_server import RedisServer, free_port
-from services.launcher import die_with_parent, wait_serving
+from services.launcher import child_env, wait_serving
 
 _ids = itertools.count()
 
@@ -158,7 +158,7 @@ class ProcessStack:
 def _spawn(argv: list[str]) -> subprocess.Popen:
     log_level = os.environ.get("CONVEYOR_TEST_LOG", "WARNING")
     cmd = [sys.executable, "-m", "services.cli", "--log-level", log_level, *argv]
-    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+    return subprocess.Popen(cmd, env=child_env())
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

@@ -88,3 +88,30 @@ def test_worker_config_parses_memory_and_validates():
         WorkerConfig("/models/x", num_stages=3, stage_index=3)
     with pytest.raises(ConfigError, match="attention_backend='cuda'"):
         WorkerConfig("/models/x", attention_backend="cuda")
+
+
+@pytest.mark.parametrize(
+    "num_layers,num_stages,extra,expected",
+    [
+        (30, 2, 6.0, [18, 12]),  # SmolLM2-135M: the logits cost ~6 layers in decode
+        (30, 3, 6.0, [12, 12, 6]),
+        (30, 8, 6.0, [4, 4, 4, 4, 4, 5, 4, 1]),  # the last stage keeps at least one layer
+        (3, 3, 6.0, [1, 1, 1]),
+        (30, 1, 6.0, [30]),
+        (30, 2, 0.0, [15, 15]),
+    ],
+)
+def test_split_layers_balances_the_last_stages_logits_work(num_layers, num_stages, extra, expected):
+    counts = split_layers(num_layers, num_stages, last_stage_extra=extra)
+    assert counts == expected and sum(counts) == num_layers
+
+
+def test_split_layers_explicit_split_wins_over_the_cost_estimate():
+    assert split_layers(30, 2, [15, 15], last_stage_extra=6.0) == [15, 15]
+
+
+def test_logits_layer_equivalents_of_smollm2_shape():
+    from services.worker.model.stages import logits_layer_equivalents
+
+    # vocab 49152 x hidden 576 against one layer's 3,538,944 weights, discounted by 0.75
+    assert logits_layer_equivalents(49152, 576, 3_538_944) == pytest.approx(6.0)

@@ -64,6 +64,14 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def num_layer_params(self) -> int:
+        """Weights of one decoder layer (attention + SwiGLU MLP), biases and norms aside."""
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (2 * q_size + 2 * kv_size)
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read `<model_dir>/config.json`; raises ModelLoadError naming the file and problem."""

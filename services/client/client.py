@@ -20,14 +20,12 @@ from typing import Any
 
 import grpc
 
+from services.common.pb import FINISH_FROM_PB
 from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 _SAMPLING_FIELDS = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 _REQUEST_FIELDS = {"stop", "include_stop_str_in_output", "priority", "tenant", "request_id",
                    "model"}  # fmt: skip
-_FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, common_pb2.FINISH_REASON_STOP: "stop",
-           common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_ABORT: "abort",
-           common_pb2.FINISH_REASON_ERROR: "error"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -88,7 +86,7 @@ def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
                  "completion_tokens": msg.usage.completion_tokens,
                  "cached_tokens": msg.usage.cached_tokens}  # fmt: skip
     return Delta(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
-                 offset=msg.offset, finish_reason=_FINISH.get(msg.finish_reason),
+                 offset=msg.offset, finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
                  usage=usage, logprobs=list(msg.logprobs))  # fmt: skip
 
 

@@ -31,11 +31,24 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+"""Finish reason (`stop`, `length`, `abort`, `error`, None while running) → FinishReason."""
+FINISH_FROM_PB = {code: reason for reason, code in FINISH_TO_PB.items()}
+
+
+def sampling_from_pb(
+    msg: common_pb2.SamplingParams, default_max_tokens: int | None = None
+) -> SamplingParams:
     """Builds validated params; raises InvalidRequest naming a bad field.
 
     Proto3 cannot tell an unset double from 0: top_p and repetition_penalty of 0 (invalid
-    values) mean "unset", i.e. 1.
+    values) mean "unset", i.e. 1; with `default_max_tokens`, so does max_tokens of 0.
     """
     return SamplingParams(
         temperature=msg.temperature,
@@ -46,7 +59,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
+        max_tokens=msg.max_tokens or default_max_tokens or 0,
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from services.common.errors import InvalidRequest
-from services.common.pb import logprobs_to_pb
-from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
+from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
 from services.router.errors import grpc_errors
@@ -16,31 +16,6 @@ from services.router.request import ChatTurn, GenerateInput, check_model, tokeni
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH_TO_PB = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
-
-def sampling_from_request(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Public sampling params; 0 in top_p, repetition_penalty, max_tokens means the default."""
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens or 16,
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-    )
 
 
 def chat_from_pb(chat: generation_pb2.Chat) -> list[ChatTurn]:
@@ -53,7 +28,7 @@ def input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
     if which is None:
         raise InvalidRequest("prompt is missing: set exactly one of text, token_ids or chat")
     return GenerateInput(
-        sampling=sampling_from_request(msg.sampling),
+        sampling=sampling_from_pb(msg.sampling, default_max_tokens=16),
         text=msg.text if which == "text" else None,
         token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
         chat=chat_from_pb(msg.chat) if which == "chat" else None,

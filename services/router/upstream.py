@@ -23,21 +23,14 @@ from services.common.errors import (
     QueueFull,
     UnknownRequest,
 )  # fmt: skip
-from services.common.pb import logprobs_from_pb, sampling_to_pb
-from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.pb import FINISH_FROM_PB, logprobs_from_pb, sampling_to_pb
+from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.router.errors import RequestExists, RequestFailed
 from services.router.output import SchedulerDelta
 from services.router.request import PreparedRequest
 
 logger = logging.getLogger(__name__)
 
-_FINISH = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 _MAX_BACKOFF_S = 2.0
 
 
@@ -73,7 +66,7 @@ def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerD
         offset=msg.offset + skip,
         token_ids=list(msg.token_ids[skip:]),
         logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs[skip:]],
-        finish_reason=_FINISH.get(msg.finish_reason, "error"),
+        finish_reason=FINISH_FROM_PB.get(msg.finish_reason, "error"),
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error,

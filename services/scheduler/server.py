@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ConveyorError, UnknownRequest
 from services.common.grpc_errors import abort_with
-from services.common.pb import logprobs_to_pb, sampling_from_pb
-from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
+from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.pipeline import Pipeline
 from services.scheduler.service import SchedulerService, ServiceOptions
 from services.scheduler.state import TokenDelta
@@ -21,13 +21,6 @@ from services.scheduler.state import TokenDelta
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-_FINISH = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
 _FINISHED_STATES = {"finished_stopped": "stop", "finished_length": "length",
                     "finished_aborted": "abort", "failed": "error"}  # fmt: skip
 
@@ -35,7 +28,7 @@ _FINISHED_STATES = {"finished_stopped": "stop", "finished_length": "length",
 def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
     msg = scheduler_pb2.TokenDelta(
         request_id=delta.request_id, offset=delta.offset, token_ids=delta.token_ids,
-        finish_reason=_FINISH[delta.finish_reason],
+        finish_reason=FINISH_TO_PB[delta.finish_reason],
     )  # fmt: skip
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)

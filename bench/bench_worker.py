@@ -47,9 +47,12 @@ def interleaved_ms(cases: list[tuple], iters: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def make_runner(model_dir: Path, config: ModelConfig, num_blocks: int) -> StageRunner:
+def make_runner(model_dir: Path, config: ModelConfig, num_blocks: int,
+                linear_backend: str, attention_backend: str) -> StageRunner:  # fmt: skip
     stage = stage_spec(config.num_hidden_layers, 1, 0)
-    model = load_stage_model(model_dir, stage, "float32")
+    model = load_stage_model(model_dir, stage, "float32", attention_backend)
+    if linear_backend == "onednn":
+        model.use_onednn()
     spec = KVCacheSpec(
         stage.num_layers, config.num_key_value_heads, config.head_dim, BLOCK_SIZE, torch.float32
     )
@@ -128,6 +131,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--linear-backend", choices=["onednn", "torch"], default="onednn",
+                        help="our matmuls (default: onednn, as the worker uses on CPU)")
+    parser.add_argument("--attention-backend", choices=["cpu", "torch"], default="cpu",
+                        help="our attention (default: cpu, as the worker uses on CPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
@@ -138,9 +145,12 @@ def main() -> None:
 
     config = ModelConfig.from_dir(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    runner = make_runner(args.model, config, max(args.batches) * (CONTEXT // BLOCK_SIZE + 1) + 64)
+    num_blocks = max(args.batches) * (CONTEXT // BLOCK_SIZE + 1) + 64
+    runner = make_runner(args.model, config, num_blocks, args.linear_backend,
+                         args.attention_backend)  # fmt: skip
 
-    print(f"SmolLM2-135M fp32, {args.threads} threads, median of {args.iters}, ms")
+    print(f"SmolLM2-135M fp32, {args.threads} threads, {args.linear_backend} matmuls, "
+          f"{args.attention_backend} attention, median of {args.iters}, ms")
     print(f"{'case':<22}{'ours step':>10}{'ours fwd':>10}{'HF fwd':>10}{'HF/ours step':>14}")
     for batch in args.batches:
         step, fwd, ref = interleaved_ms(

@@ -139,6 +139,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 argv += ["--threads", str(args.threads)]
             if args.layer_split:
                 argv += ["--layer-split", args.layer_split]
+            if args.linear_backend != "auto":
+                argv += ["--linear-backend", args.linear_backend]
             argv += _observability_args(args, 2 + stage)
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
@@ -200,6 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads per worker (default: cores / stages)")
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
+    parser.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
+                        help="workers' matmul kernels (default: auto = onednn on CPU)")
     parser.add_argument("--scheduler-port", type=int, default=None,
                         help="scheduler gRPC port (default: a free port)")
     parser.add_argument("--timeline", default=None,

@@ -23,10 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence (default: the model's context length)")
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
-    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
-                        help="default: triton on cuda, torch on cpu")
+    parser.add_argument("--attention-backend", choices=["cpu", "torch", "triton"], default=None,
+                        help="default: triton on cuda; on cpu the C++ decode kernel (cpu), or "
+                             "plain torch when it cannot be compiled here")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: cores / stages, at least 1)")
+    parser.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
+                        help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
+                             "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
+                             "on CPU (default: auto)")
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (default: off)")
@@ -37,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace):
     from services.worker.config import WorkerConfig
+    from services.worker.model.llama import default_attention_backend
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
     return WorkerConfig(
@@ -48,9 +54,10 @@ def build_config(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
-        attention_backend=args.attention_backend or ("triton" if args.device == "cuda" else "torch"),
+        attention_backend=args.attention_backend or default_attention_backend(args.device),
         device=args.device,
         num_threads=threads,
+        linear_backend=args.linear_backend,
     )
 
 

@@ -8,7 +8,8 @@ from services.common.errors import ConfigError
 from services.common.units import parse_bytes
 from services.worker.kv_cache import BLOCK_SIZES
 from services.worker.model.llama import ATTENTION_BACKENDS
-from services.worker.model.loader import DTYPES
+from services.worker.model.loader import DTYPES, resolve_dtype
+from services.worker.model.packed_linear import LINEAR_BACKENDS, onednn_supported
 from services.worker.model.stages import MAX_STAGES
 
 
@@ -33,10 +34,13 @@ class WorkerConfig:
     dtype: str = "float32"
     """`--dtype`: float32 or bfloat16 (float16 on CUDA)."""
     attention_backend: str = "torch"
-    """"torch" (CPU and reference) or "triton" (CUDA)."""
+    """"cpu" (C++ decode kernel), "torch" (plain PyTorch, the reference) or "triton" (CUDA)."""
     device: str = "cpu"
     num_threads: int | None = None
     """torch intra-op threads on CPU; None leaves torch's default."""
+    linear_backend: str = "auto"
+    """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
+    "auto" takes oneDNN wherever it is supported."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -68,3 +72,23 @@ class WorkerConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be >= 1")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ConfigError(
+                f"linear_backend={self.linear_backend!r} is unknown: choose one of "
+                f"{list(LINEAR_BACKENDS)}"
+            )
+        if self.linear_backend == "onednn" and not onednn_supported(
+            self.device, resolve_dtype(self.dtype)
+        ):
+            raise ConfigError(
+                f"linear_backend='onednn' needs a CPU device, float32 or bfloat16 and a torch "
+                f"built with oneDNN (device={self.device!r}, dtype={self.dtype!r}); use "
+                f"--linear-backend torch"
+            )
+
+    @property
+    def uses_onednn(self) -> bool:
+        """Whether the matmuls run on oneDNN (resolves "auto")."""
+        if self.linear_backend == "torch":
+            return False
+        return onednn_supported(self.device, resolve_dtype(self.dtype))

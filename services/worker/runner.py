@@ -99,6 +99,8 @@ class StageRunner:
             config.model_dir, stage, config.dtype, config.attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
         ).to(config.device)  # fmt: skip
+        if config.uses_onednn:
+            model.use_onednn()
         spec = KVCacheSpec(
             stage.num_layers, model_config.num_key_value_heads, model_config.head_dim,
             config.block_size, resolve_dtype(config.dtype),

@@ -52,9 +52,12 @@ def reference(name: str, tmp_path_factory) -> tuple:
 
 
 def run_and_compare(ref, num_stages=1, chunk_size=None, block_size=16, shuffle_seed=None,
-                    async_mode=False) -> None:  # fmt: skip
+                    async_mode=False, fast_cpu=False) -> None:  # fmt: skip
     model_dir, prompts, ref_tokens, ref_logits = ref
-    runners = make_runners(model_dir, num_stages, block_size, num_blocks=512 // block_size * 8)
+    runners = make_runners(
+        model_dir, num_stages, block_size, num_blocks=512 // block_size * 8,
+        attention_backend="cpu" if fast_cpu else "torch", onednn=fast_cpu,
+    )  # fmt: skip
     planner = TinyPlanner(block_size, 512 // block_size * 8, chunk_size, shuffle_seed, async_mode)
     for i, prompt in enumerate(prompts):
         planner.add(f"req-{i}", prompt, NUM_NEW, arrival_step=i // 3)
@@ -85,6 +88,15 @@ def run_and_compare(ref, num_stages=1, chunk_size=None, block_size=16, shuffle_s
 )
 def test_runner_greedy_equals_transformers(name, num_stages, chunk_size, tmp_path_factory):
     run_and_compare(reference(name, tmp_path_factory), num_stages, chunk_size)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_stages", "chunk_size"),
+    [("llama-gqa4", 3, 5), ("llama-mha", 1, None), ("qwen2-bias", 2, 6), ("mistral-tied", 1, 9)],
+)
+def test_runner_on_cpu_kernels_equals_transformers(name, num_stages, chunk_size, tmp_path_factory):
+    """What a CPU worker runs: oneDNN matmuls and the C++ decode attention."""
+    run_and_compare(reference(name, tmp_path_factory), num_stages, chunk_size, fast_cpu=True)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

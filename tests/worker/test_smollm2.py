@@ -43,12 +43,18 @@ def reference(smollm2_dir, prompts):
     return hf_greedy(smollm2_dir, prompts, NUM_NEW, use_cache=True)
 
 
-@pytest.mark.parametrize(("num_stages", "chunk_size"), [(1, None), (3, 4)])
+@pytest.mark.parametrize(
+    ("num_stages", "chunk_size", "fast_cpu"), [(1, None, False), (3, 4, False), (2, 8, True)]
+)
 def test_smollm2_greedy_equals_transformers(
-    smollm2_dir, prompts, reference, num_stages, chunk_size
+    smollm2_dir, prompts, reference, num_stages, chunk_size, fast_cpu
 ):
+    """fast_cpu: oneDNN matmuls and the C++ decode attention, as a CPU worker runs them."""
     ref_tokens, ref_logits = reference
-    runners = make_runners(smollm2_dir, num_stages, block_size=16, num_blocks=64)
+    runners = make_runners(
+        smollm2_dir, num_stages, block_size=16, num_blocks=64,
+        attention_backend="cpu" if fast_cpu else "torch", onednn=fast_cpu,
+    )  # fmt: skip
     planner = TinyPlanner(16, 64, chunk_size=chunk_size, shuffle_seed=7)
     for i, prompt in enumerate(prompts):
         planner.add(f"req-{i}", prompt, NUM_NEW, arrival_step=i // 2)

@@ -65,13 +65,17 @@ def make_prompts(num: int, vocab: int = 256, min_len: int = 3, max_len: int = 40
 def make_runners(
     model_dir: Path, num_stages: int = 1, block_size: int = 16, num_blocks: int = 128,
     layer_split: list[int] | None = None, dtype: str = "float32",
+    attention_backend: str = "torch", onednn: bool = False,
 ) -> list[StageRunner]:  # fmt: skip
-    """One StageRunner per stage, in-process."""
+    """One StageRunner per stage, in-process; by default on the torch reference paths,
+    `attention_backend="cpu", onednn=True` is what a CPU worker runs."""
     config = ModelConfig.from_dir(model_dir)
     runners = []
     for index in range(num_stages):
         stage = stage_spec(config.num_hidden_layers, num_stages, index, layer_split)
-        model = load_stage_model(model_dir, stage, dtype)
+        model = load_stage_model(model_dir, stage, dtype, attention_backend)
+        if onednn:
+            model.use_onednn()
         spec = KVCacheSpec(
             stage.num_layers, config.num_key_value_heads, config.head_dim, block_size,
             resolve_dtype(dtype),

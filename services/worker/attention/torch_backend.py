@@ -15,10 +15,15 @@ folded into the query-length axis, so each KV head is attended once:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from services.worker.attention.metadata import AttentionMetadata
+
+DecodeFn = Callable[..., torch.Tensor]
+"""(q [B, Hq, D], k_cache, v_cache, block_tables [B, nb], seq_lens [B], scale) -> [B, Hq, D]"""
 
 
 def write_kv(
@@ -34,16 +39,18 @@ def write_kv(
 def paged_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, decode: DecodeFn | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Write k, v into the cache, then attend q [T, Hq, D] over the paged context.
 
     Each row sees its own sequence's tokens up to and including its position (causal within
-    the chunk, full over the cached past). Returns [T, Hq, D] in q's dtype.
+    the chunk, full over the cached past). Returns [T, Hq, D] in q's dtype. `decode`
+    replaces the attention of one-token rows (the CPU backend passes its C++ kernel).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    decode = decode or decode_attention
     if meta.is_decode_only:
-        return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     query_lens = meta.query_lens
     is_decode = query_lens == 1
     if not bool(is_decode.any()):
@@ -51,7 +58,7 @@ def paged_attention_forward(
     out = torch.empty_like(q)
     decode_seqs = is_decode.nonzero().squeeze(1)
     decode_rows = meta.query_start_loc[:-1].long()[decode_seqs]
-    out[decode_rows] = _decode(
+    out[decode_rows] = decode(
         q[decode_rows], k_cache, v_cache, meta.block_tables[decode_seqs],
         meta.seq_lens[decode_seqs], scale,
     )  # fmt: skip
@@ -74,11 +81,11 @@ def gather_context(
     return dense[:, :max_seq_len].transpose(1, 2)  # [B, Hkv, L, D]
 
 
-def _decode(
+def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D] (the reference)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_seq_len = int(seq_lens.max())

@@ -19,12 +19,14 @@ from services.common.errors import ConfigError
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from services.worker.model.packed_linear import PackedLinear, pack_linears
 from services.worker.model.stages import StageSpec
 
 logger = logging.getLogger(__name__)
 
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS = {
+    "cpu": "services.worker.attention.cpu_backend",
     "torch": "services.worker.attention.torch_backend",
     "triton": "services.worker.attention.triton_backend",
 }
@@ -32,12 +34,25 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def load_attention_backend(name: str) -> AttentionFn:
-    """`paged_attention_forward` of the backend `name` ("torch" or "triton"), imported lazily."""
+    """`paged_attention_forward` of the backend `name` (see ATTENTION_BACKENDS), imported
+    lazily; the "cpu" backend's kernel is built here, so a failure shows at startup."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(
             f"attention_backend={name!r} is unknown: choose one of {sorted(ATTENTION_BACKENDS)}"
         )
-    return importlib.import_module(ATTENTION_BACKENDS[name]).paged_attention_forward
+    module = importlib.import_module(ATTENTION_BACKENDS[name])
+    if hasattr(module, "load_kernels"):
+        module.load_kernels()
+    return module.paged_attention_forward
+
+
+def default_attention_backend(device: str) -> str:
+    """triton on CUDA; on CPU the C++ decode kernel when it builds here, else plain torch."""
+    if device.startswith("cuda"):
+        return "triton"
+    from services.worker.attention import cpu_backend
+
+    return "cpu" if cpu_backend.available() else "torch"
 
 
 class Attention(nn.Module):
@@ -104,7 +119,21 @@ class StageModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         # [V, hidden]; on a single-stage tied model it is the embedding weight itself.
         self.register_buffer("lm_head_weight", None, persistent=False)
+        self.lm_head: PackedLinear | None = None
+        """The logits matmul in oneDNN's layout, once `use_onednn()` ran (last stage only)."""
         self.requires_grad_(False)
+
+    def use_onednn(self) -> None:
+        """Run every matmul (projections, MLP, logits) through oneDNN with packed weights.
+
+        CPU only, after the weights are loaded; see model/packed_linear.py for why.
+        """
+        swapped = pack_linears(self.layers)
+        if self.lm_head_weight is not None:
+            self.lm_head = PackedLinear(self.lm_head_weight)
+            self.lm_head_weight = None  # the embedding keeps its own weight when tied
+        logger.info("stage %d: %d matmuls on oneDNN", self.stage.stage_index,
+                    swapped + (self.lm_head is not None))  # fmt: skip
 
     def forward(
         self, meta: AttentionMetadata, kv_caches: KVCaches,
@@ -127,6 +156,9 @@ class StageModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only)."""
-        if self.norm is None or self.lm_head_weight is None:
+        if self.norm is None:
             raise ValueError(f"stage {self.stage.stage_index} is not the last stage")
-        return F.linear(self.norm(hidden_states), self.lm_head_weight).float()
+        hidden_states = self.norm(hidden_states)
+        if self.lm_head is not None:
+            return self.lm_head(hidden_states).float()
+        return F.linear(hidden_states, self.lm_head_weight).float()

@@ -1,0 +1,84 @@
+"""The CPU backend's C++ decode kernel against the torch reference (decode_attention)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.worker.attention import cpu_backend, torch_backend
+
+
+def paged_decode_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens,
+                      seed=0, key_scale=1.0):  # fmt: skip
+    """Random caches in shuffled blocks; returns the arguments of decode_attention."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    width = max(blocks_per_seq)
+    tables = []
+    for count in blocks_per_seq:
+        table = [free.pop() for _ in range(count)]
+        tables.append(table + [0] * (width - count))
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen) * key_scale
+    v_cache = torch.randn(shape, generator=gen)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size):
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70]
+    args = paged_decode_case(len(seq_lens), num_heads, num_kv_heads, 32, block_size, seq_lens)
+    scale = 32**-0.5
+    ours = cpu_backend.decode_attention(*args, scale)
+    ref = torch_backend.decode_attention(*args, scale)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_decode_kernel_handles_head_dims_and_peaked_softmax(head_dim):
+    """Large keys make most probabilities underflow (the kernel zeroes exp below e^-30)."""
+    seq_lens = [300, 17, 129]
+    args = paged_decode_case(3, 6, 2, head_dim, 16, seq_lens, seed=3, key_scale=8.0)
+    scale = head_dim**-0.5
+    ours = cpu_backend.decode_attention(*args, scale)
+    ref = torch_backend.decode_attention(*args, scale)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_uses_threads_without_changing_results():
+    args = paged_decode_case(16, 8, 2, 64, 16, [50 + 7 * i for i in range(16)], seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_backend.decode_attention(*args, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_backend.decode_attention(*args, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_non_float32_caches_take_the_reference_path():
+    q, k_cache, v_cache, tables, lens = paged_decode_case(2, 4, 2, 16, 8, [5, 9])
+    args = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens)
+    ours = cpu_backend.decode_attention(*args, 0.25)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, torch_backend.decode_attention(*args, 0.25))
+
+
+def test_kernel_rejects_bad_inputs_with_a_message():
+    q, k_cache, v_cache, tables, lens = paged_decode_case(2, 4, 2, 16, 8, [5, 9])
+    kernels = cpu_backend.load_kernels()
+    with pytest.raises(RuntimeError, match="int32 block_tables"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables.long(), lens, 0.25)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        kernels.paged_decode_attention(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 0.25)

@@ -1,0 +1,53 @@
+"""oneDNN packed matmuls: same results as F.linear, swapped in by use_onednn, chosen by config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import ConfigError
+from services.worker.config import WorkerConfig
+from services.worker.model.packed_linear import PackedLinear, onednn_supported, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not onednn_supported("cpu", torch.float32), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 40, generator=gen)
+    torch.testing.assert_close(PackedLinear(weight, b)(x), F.linear(x, weight, b),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_packed_linear_bfloat16():
+    weight, x = torch.randn(64, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    out = PackedLinear(weight)(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x, weight).float(), atol=0.05, rtol=0.02)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_outputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    x = torch.randn(3, 16)
+    before = model(x)
+    assert pack_linears(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
+
+
+def test_worker_config_resolves_and_validates_the_linear_backend(tmp_path):
+    assert WorkerConfig(str(tmp_path)).uses_onednn
+    assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_onednn
+    with pytest.raises(ConfigError, match="linear_backend='blas' is unknown"):
+        WorkerConfig(str(tmp_path), linear_backend="blas")
+    with pytest.raises(ConfigError, match="--linear-backend torch"):
+        WorkerConfig(str(tmp_path), linear_backend="onednn", device="cuda")

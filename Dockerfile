@@ -14,15 +14,21 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 # ---- bases: the Python runtime, and where torch and which extras come from ----
 FROM ${PYTHON_IMAGE} AS base-cpu
+# g++: the workers' C++ decode-attention kernel (built below; rebuilt only if its source changes)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-    CONVEYOR_EXTRAS=""
+    CONVEYOR_EXTRAS="" \
+    TORCH_EXTENSIONS_DIR=/opt/torch_extensions
 
 FROM ${CUDA_IMAGE} AS base-cuda
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-    CONVEYOR_EXTRAS="cuda"
+    CONVEYOR_EXTRAS="cuda" \
+    TORCH_EXTENSIONS_DIR=/opt/torch_extensions
 
 # ---- build: a virtualenv with torch first (pinned, from the chosen index), then Conveyor ----
 FROM base-${BASE} AS build
@@ -38,6 +44,10 @@ COPY services ./services
 COPY kernels ./kernels
 RUN if [ -n "${CONVEYOR_EXTRAS}" ]; then pip install ".[${CONVEYOR_EXTRAS}]"; else pip install .; fi \
     && conveyor --help >/dev/null
+# Compile the CPU attention kernel now, so that CPU workers start without a 20 s build.
+RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
+    && if [ -z "${CONVEYOR_EXTRAS}" ]; then cd / && python -c \
+       "from services.worker.attention import cpu_backend; cpu_backend.load_kernels()"; fi
 
 # ---- runtime: the virtualenv, a non-root user, an empty /models ----
 FROM base-${BASE} AS runtime
@@ -45,6 +55,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     TOKENIZERS_PARALLELISM=false
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=10001:10001 /opt/torch_extensions /opt/torch_extensions
 # /models is owned by the service user so that a fresh named volume mounted there is writable
 # by `conveyor models fetch` (Docker copies the directory's owner into an empty volume).
 RUN groupadd --system --gid 10001 conveyor \

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Installs what Conveyor needs on a fresh machine: redis-server (when missing), a virtualenv
-# at .venv with the pinned CPU torch first, then the project with its test and bench extras.
+# Installs what Conveyor needs on a fresh machine: redis-server and g++ (when missing), a
+# virtualenv at .venv with the pinned CPU torch first, then the project with its test and
+# bench extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-    echo "installing redis-server"
+# apt_install PACKAGE WHY: install a Debian package, or say what to do without apt-get.
+apt_install() {
+    echo "installing $1"
     if command -v apt-get >/dev/null 2>&1; then
         SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-        $SUDO apt-get update -q && $SUDO apt-get install -y -q redis-server
+        $SUDO apt-get update -q && $SUDO apt-get install -y -q "$1"
     else
-        echo "redis-server is missing and apt-get is not available: install Redis 6+ and retry" >&2
+        echo "$1 is missing and apt-get is not available: $2" >&2
         exit 1
     fi
-fi
+}
+
+command -v redis-server >/dev/null 2>&1 || apt_install redis-server "install Redis 6+ and retry"
+# g++ builds the workers' CPU attention kernel (without it they fall back to plain torch)
+command -v g++ >/dev/null 2>&1 || apt_install g++ "install a C++ compiler and retry"
 
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="most tokens computed in one step (default: 2048)",
+        default=None,
+        help="most tokens computed in one step (default: 512 when the stages run on CPU, "
+        "2048 on GPU)",
     )
     parser.add_argument(
         "--max-model-len",

@@ -34,6 +34,8 @@ class PipelineInfo:
     vocab_size: int
     model_name: str
     eos_token_ids: list[int]
+    device: str = "cpu"
+    """"cpu" when any stage computes on a CPU, else the stages' device ("cuda")."""
 
 
 class PipelineBroken(Exception):
@@ -116,6 +118,7 @@ class Pipeline:
             vocab_size=last.vocab_size,
             model_name=last.model_name,
             eos_token_ids=list(last.eos_token_ids),
+            device="cpu" if any(r.device in ("", "cpu") for r in replies) else last.device,
         )
 
     async def wait_ready(self, timeout_s: float | None = None) -> PipelineInfo:

@@ -33,6 +33,19 @@ from services.scheduler.state import TokenDelta
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+"""Token budget of a step when --max-num-batched-tokens is not given, by the stages' device.
+On the 2-core CPU, 512 instead of 2048 cut the burst's mean TTFT from 5.6 s to 4.0 s at the
+same output throughput (`conveyor bench`, 64 x 128/128, 2 stages)."""
+
+
+def default_batched_tokens(device: str, chunked_prefill: bool, max_model_len: int) -> int:
+    """--max-num-batched-tokens when not given: by device, and a whole prompt per step
+    when prompts are not chunked."""
+    budget = DEFAULT_BATCHED_TOKENS.get(device, 2048)
+    return budget if chunked_prefill else max(budget, max_model_len)
+
+
 @dataclass(slots=True)
 class ServiceOptions:
     """Scheduler settings from the CLI; KV geometry comes from the workers."""
@@ -41,7 +54,9 @@ class ServiceOptions:
     max_inflight: int | None = None
     """Steps in flight; None means 2P (async) or P (sync)."""
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
+    """None: 512 on CPU stages (short steps: first tokens sooner at the same throughput),
+    2048 on GPUs."""
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -100,14 +115,16 @@ class SchedulerService:
                 f"--block-size={opts.block_size} but the workers use {self.info.block_size}: "
                 "drop the flag or start the workers with the same --block-size"
             )
+        max_model_len = min(opts.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        max_num_batched_tokens = opts.max_num_batched_tokens or default_batched_tokens(
+            self.info.device, opts.enable_chunked_prefill, max_model_len
+        )
         config = SchedulerConfig(
             num_blocks=self.info.num_blocks,
             block_size=self.info.block_size,
             max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-            max_model_len=min(
-                opts.max_model_len or self.info.max_model_len, self.info.max_model_len
-            ),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             enable_prefix_caching=opts.enable_prefix_caching,
             enable_chunked_prefill=opts.enable_chunked_prefill,
             policy=opts.policy,

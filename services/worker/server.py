@@ -84,6 +84,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             max_model_len=self.max_model_len,
             vocab_size=runner.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            device=runner.device.type,
         )
 
     async def GetTimeline(self, request, context):

@@ -75,6 +75,16 @@ def test_long_prompt_prefilled_in_overlapping_chunks(stack, smollm2_dir, smollm2
     assert overlaps, "no chunk i+1 ran in stage 0 while chunk i ran in stage 1"
 
 
+def test_workers_describe_their_device_and_work_balanced_split(stack):
+    replies = []
+    for port in stack.worker_ports:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.StageWorkerStub(channel)
+            replies.append(stub.Describe(worker_pb2.DescribeRequest(), timeout=10))
+    assert [r.device for r in replies] == ["cpu", "cpu"]
+    assert [(r.first_layer, r.num_layers) for r in replies] == [(0, 18), (18, 12)]
+
+
 def test_abort_mid_stream_frees_blocks(stack, smollm2_prompts):
     request = scheduler_pb2.SubmitRequest(
         request_id="abort-me", prompt_token_ids=smollm2_prompts[1],

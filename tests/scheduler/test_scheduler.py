@@ -301,3 +301,12 @@ def test_add_request_duplicate_id_is_refused_and_keeps_the_first():
     with pytest.raises(RequestExists, match="dup"):
         scheduler.add_request(make_request("dup", 7, 4))
     assert scheduler.requests["dup"].num_prompt_tokens == 5
+
+
+def test_default_step_budget_follows_the_stages_device():
+    from services.scheduler.service import default_batched_tokens
+
+    assert default_batched_tokens("cpu", True, 8192) == 512
+    assert default_batched_tokens("cuda", True, 8192) == 2048
+    assert default_batched_tokens("tpu", True, 8192) == 2048  # unknown: the GPU default
+    assert default_batched_tokens("cpu", False, 8192) == 8192  # unchunked: a prompt per step

@@ -82,3 +82,21 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         kernels.paged_decode_attention(q, k_cache, v_cache, tables.long(), lens, 0.25)
     with pytest.raises(RuntimeError, match="shapes disagree"):
         kernels.paged_decode_attention(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 0.25)
+
+
+def test_build_directory_removes_a_stale_lock_and_keeps_a_live_one(tmp_path, monkeypatch):
+    """A lock left by a process killed mid-build would make every later start wait forever."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    path = cpu_backend.build_directory("probe")
+    assert path.parent.name == f"conveyor-torch{torch.__version__}"
+    lock = path / "lock"
+    lock.touch()
+    cpu_backend.build_directory("probe")
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - cpu_backend.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_backend.build_directory("probe")
+    assert not lock.exists()

@@ -8,14 +8,16 @@ sequences of 256 tokens (`python bench/bench_worker.py`), close to the memory re
 work needs. Prefill chunks keep the torch path, where SDPA's tiling pays off.
 
 The kernel is compiled once per machine with `torch.utils.cpp_extension` (g++ and ninja,
-about 20 s) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later loads take
-milliseconds. Float32 caches only: other dtypes take the torch reference.
+about 20 s) into $TORCH_EXTENSIONS_DIR/conveyor-<torch version>/ (default
+~/.cache/torch_extensions); later loads take milliseconds. Float32 caches only: other dtypes
+take the torch reference.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -29,6 +31,24 @@ from services.worker.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+STALE_LOCK_S = 600
+"""A build lock older than this was left by a process killed mid-build (torch would wait on
+it forever): it is removed."""
+
+
+def build_directory(name: str) -> Path:
+    """Where `name` is built: per torch version, since the module links against torch."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    path = Path(root) / f"conveyor-torch{torch.__version__}" / name
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+    return path
 
 
 def _arch() -> tuple[str, list[str]]:
@@ -51,7 +71,8 @@ def load_kernels():
     name = f"conveyor_cpu_attention_{arch}"
     start = time.monotonic()
     try:
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, verbose=False)
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                      build_directory=str(build_directory(name)), verbose=False)  # fmt: skip
     except Exception as exc:  # compiler, headers or ninja missing: say what to do
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ConfigError(

@@ -63,7 +63,6 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-
     import sys
 
     from services.worker.server import serve

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from services.common.affinity import stage_cpus
 from services.common.redis_server import RedisServer, free_port
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         dist_addr = f"127.0.0.1:{free_port()}"
         worker_addrs = []
         env = dict(os.environ)
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+        pinned = stage_cpus(args.stages, threads) if args.cpu_affinity == "auto" else None
         for stage in range(args.stages):
             port = free_port()
             worker_addrs.append(f"127.0.0.1:{port}")
@@ -141,6 +144,8 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                 argv += ["--layer-split", args.layer_split]
             if args.linear_backend != "auto":
                 argv += ["--linear-backend", args.linear_backend]
+            if pinned:
+                argv += ["--cpu-affinity", ",".join(map(str, pinned[stage]))]
             argv += _observability_args(args, 2 + stage)
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
@@ -204,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
     parser.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
                         help="workers' matmul kernels (default: auto = onednn on CPU)")
+    parser.add_argument("--cpu-affinity", choices=["auto", "off"], default="auto",
+                        help="auto: pin each stage to its own cores when stages x threads fit "
+                             "on this machine's cores (default: auto)")
     parser.add_argument("--scheduler-port", type=int, default=None,
                         help="scheduler gRPC port (default: a free port)")
     parser.add_argument("--timeline", default=None,

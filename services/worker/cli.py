@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
                              "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
                              "on CPU (default: auto)")
+    parser.add_argument("--cpu-affinity", default=None, metavar="CPUS",
+                        help="pin this worker to these cores, e.g. 0 or 0-3,8 (default: not "
+                             "pinned; `conveyor up` pins each stage to its own cores)")
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (default: off)")
@@ -65,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import sys
 
+    from services.common.affinity import parse_cpu_list, pin_process
     from services.worker.server import serve
 
+    if args.cpu_affinity:
+        pin_process(parse_cpu_list(args.cpu_affinity))
     # The compute thread hands each result to the gRPC loop thread; with Python's default
     # 5 ms GIL switch interval that handoff cost the last stage 1.1-1.6 ms per step on the
     # critical path, with 0.5 ms about 0.7 ms (2-core CPU, 32-request decode steps).

@@ -130,16 +130,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             metadata = dict(context.invocation_metadata() or ())
             epoch = int(metadata.get("conveyor-epoch", "0"))
             self.engine.start(on_outcome, epoch)
-            reader = asyncio.create_task(self._read_plans(request_iterator))
+            reader = asyncio.create_task(self._read_plans(request_iterator, reports))
             try:
-                while True:
-                    getter = asyncio.create_task(reports.get())
-                    done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter in done:
-                        yield outcome_to_pb(getter.result(), self.stage)
-                        continue
-                    getter.cancel()
-                    break  # the scheduler closed the stream
+                # One await per report: the loop thread holds the GIL briefly, and the compute
+                # thread (which hands reports over between steps) gets it back sooner.
+                while (outcome := await reports.get()) is not None:
+                    yield outcome_to_pb(outcome, self.stage)
             finally:
                 reader.cancel()
                 await asyncio.shield(asyncio.to_thread(self.engine.stop))
@@ -147,12 +143,16 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     observer.reset()
                 logger.info("stage %d: session ended", self.stage)
 
-    async def _read_plans(self, request_iterator) -> None:
+    async def _read_plans(self, request_iterator, reports: asyncio.Queue) -> None:
+        """Feeds plans to the engine; puts None on `reports` when the stream ends."""
         observer = self.observer
-        async for msg in request_iterator:
-            if observer is not None:
-                observer.on_plan(msg)
-            self.engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
+        try:
+            async for msg in request_iterator:
+                if observer is not None:
+                    observer.on_plan(msg)
+                self.engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
+        finally:
+            reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from services.common.affinity import stage_cpus
+from services.common.affinity import default_threads, stage_cpus
 from services.common.redis_server import RedisServer, free_port
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
         dist_addr = f"127.0.0.1:{free_port()}"
         worker_addrs = []
         env = dict(os.environ)
-        threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+        threads = args.threads or default_threads(args.stages)
         pinned = stage_cpus(args.stages, threads) if args.cpu_affinity == "auto" else None
         for stage in range(args.stages):
             port = free_port()

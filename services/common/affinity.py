@@ -62,6 +62,11 @@ def pin_process(cpus: list[int]) -> None:
     logger.info("pinned to cores %s", cpus)
 
 
+def default_threads(num_stages: int) -> int:
+    """Intra-op threads per stage worker when not given: the machine's cores shared evenly."""
+    return max(1, (os.cpu_count() or 1) // num_stages)
+
+
 def stage_cpus(num_stages: int, threads: int, cpus: list[int] | None = None) -> list[list[int]] | None:
     """Disjoint core sets for `num_stages` workers of `threads` threads each, in stage order,
     or None when they do not fit on the available cores (then nothing is pinned)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace):
+    from services.common.affinity import default_threads
     from services.worker.config import WorkerConfig
     from services.worker.model.llama import default_attention_backend
 
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.stages)
+    threads = args.threads or default_threads(args.stages)
     return WorkerConfig(
         model_dir=args.model,
         stage_index=args.stage,

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads, stage_cpus
@@ -52,8 +53,18 @@ def die_with_parent() -> None:
         sys.exit(f"parent process {parent} is gone")
 
 
-def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Polls grpc.health.v1 until SERVING; raises TimeoutError naming the address."""
+class StackStopped(Exception):
+    """A stop (SIGTERM / Ctrl-C) arrived while the stack was still starting."""
+
+
+def wait_serving(
+    address: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Polls grpc.health.v1 until SERVING; raises TimeoutError naming the address, or
+    StackStopped as soon as `should_stop()` is true."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -61,6 +72,8 @@ def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None =
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if should_stop is not None and should_stop():
+                raise StackStopped(f"stopped while waiting for {address}")
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
             try:
@@ -81,6 +94,8 @@ class Stack:
     redis: RedisServer | None = None
     scheduler_address: str | None = None
     """Where `conveyor stats` and `conveyor bench --scheduler` reach the scheduler."""
+    stopping: bool = False
+    """Set by the launcher's signal handler; start-up gives up at its next wait."""
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", *argv]
@@ -119,9 +134,12 @@ class Stack:
         return None
 
 
-def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
-    """Starts every service; returns the stack and the address clients should use."""
-    stack = Stack()
+def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[Stack, str]:
+    """Starts every service; returns the stack and the address clients should use.
+
+    Raises StackStopped (with every child stopped) when `stack.stopping` is set meanwhile."""
+    stack = stack or Stack()
+    should_stop = lambda: stack.stopping  # noqa: E731
     try:
         redis_url = args.redis_url
         if not redis_url:
@@ -160,7 +178,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
             argv += ["--trace-scheduler", args.trace_scheduler]
         argv += _observability_args(args, 1)
         scheduler = stack.spawn("scheduler", argv, env)
-        wait_serving(scheduler_addr, args.startup_timeout, scheduler)
+        wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop)
         public_addr = scheduler_addr
         if _has_router():
             argv = ["router", "--scheduler", scheduler_addr, "--model", args.model,
@@ -168,7 +186,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
                     *args.router_args]  # fmt: skip
             router = stack.spawn("router", argv, env)
             public_addr = f"127.0.0.1:{args.port}"
-            wait_serving(public_addr, args.startup_timeout, router)
+            wait_serving(public_addr, args.startup_timeout, router, should_stop)
         return stack, public_addr
     except BaseException:
         stack.stop()
@@ -234,19 +252,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stack, address = start_stack(args)
-    stopping = False
+    stack = Stack()
 
     def _on_signal(signum, _frame):
-        nonlocal stopping
-        stopping = True
+        stack.stopping = True
 
+    # Before the first child starts: a SIGTERM that arrives while the stack is starting must
+    # still stop it in order (scheduler before workers, so --timeline is written), not kill
+    # this process with the children left to die all at once.
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    try:
+        _, address = start_stack(args, stack)
+    except StackStopped:
+        return 0
     print(f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
           f"scheduler on {stack.scheduler_address}", flush=True)  # fmt: skip
     try:
-        while not stopping:
+        while not stack.stopping:
             exited = stack.first_exited()
             if exited:
                 logger.error("%s exited with code %s; stopping the stack", *exited)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,79 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
     proc.wait(timeout=60)
     assert trace.exists(), "conveyor up --timeline wrote no trace on SIGTERM"
     assert plot_trace(trace, tmp_path / "bubble.png").stat().st_size > 0
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _start_up(model: Path, port: int, trace: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--stages", "2",
+            "--port", str(port), "--threads", "1", "--kv-cache-memory", "32MiB",
+            "--timeline", str(trace)]  # fmt: skip
+    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def _wait_first_serving(address: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Returns the moment `address` answers SERVING: a fresh channel every 20 ms, so no
+    reconnect backoff delays the news (as it may for the launcher's own poll)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1.0
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{address} did not become SERVING")
+
+
+def test_up_sigterm_the_moment_the_router_serves_still_stops_in_order(tmp_path):
+    """The launcher may not have seen the router turn SERVING yet when a client has (it polls
+    too): a SIGTERM then must stop the stack in order, not kill the launcher outright."""
+    model = make_tiny_model(tmp_path / "tiny")
+    port, trace = free_port(), tmp_path / "trace.json"
+    proc = _start_up(model, port, trace)
+    try:
+        _wait_first_serving(f"127.0.0.1:{port}", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert trace.exists(), "conveyor up --timeline wrote no trace on SIGTERM"
+
+
+def test_up_sigterm_while_starting_stops_every_child(tmp_path):
+    model = make_tiny_model(tmp_path / "tiny")
+    proc = _start_up(model, free_port(), tmp_path / "trace.json")
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 3 and time.monotonic() < deadline:  # redis + workers
+            time.sleep(0.05)
+        children = _children(proc.pid)
+        assert children, "conveyor up started no child"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]]

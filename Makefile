@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 PROTO_SRC := $(wildcard protos/conveyor/v1/*.proto)
 
-.PHONY: install test lint proto demo bench model clean
+.PHONY: install test lint format proto demo bench model clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -18,8 +18,15 @@ model: install
 test: install model
 	$(PY) -m pytest -q -ra
 
+LINT_PATHS := services kernels tests bench
+
 lint: install
-	$(PY) -m ruff check services kernels tests bench
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m ruff check $(LINT_PATHS)
+
+format: install
+	$(PY) -m ruff format $(LINT_PATHS)
+	$(PY) -m ruff check --fix $(LINT_PATHS)
 
 proto: install
 	$(PY) -m services.common.protogen

@@ -49,9 +49,14 @@ def _percentiles(samples_s: list[float]) -> str:
 
 def bench_decode(num_steps: int, scheduling: str, store=None) -> tuple[list[float], list[float]]:
     config = SchedulerConfig(
-        num_blocks=65536, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-        max_model_len=4096, scheduling=scheduling, num_stages=1,
-    )  # fmt: skip
+        num_blocks=65536,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        scheduling=scheduling,
+        num_stages=1,
+    )
     scheduler = Scheduler(config, store)
     for i in range(256):
         scheduler.add_request(_request(f"d{i}", 128, 1_000_000))
@@ -73,9 +78,14 @@ def bench_decode(num_steps: int, scheduling: str, store=None) -> tuple[list[floa
 def bench_mix(num_steps: int) -> list[float]:
     """32 decodes + 4 prefill chunks of 512 tokens (new long prompts keep arriving)."""
     config = SchedulerConfig(
-        num_blocks=65536, block_size=16, max_num_seqs=64, max_num_batched_tokens=32 + 4 * 512,
-        max_model_len=8192, num_stages=1, max_waiting=100_000,
-    )  # fmt: skip
+        num_blocks=65536,
+        block_size=16,
+        max_num_seqs=64,
+        max_num_batched_tokens=32 + 4 * 512,
+        max_model_len=8192,
+        num_stages=1,
+        max_waiting=100_000,
+    )
     scheduler = Scheduler(config)
     for i in range(32):
         scheduler.add_request(_request(f"d{i}", 64, 1_000_000))
@@ -98,10 +108,22 @@ def _start_redis() -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen(
-        [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", tempfile.mkdtemp()],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            shutil.which("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tempfile.mkdtemp(),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()

@@ -47,8 +47,13 @@ def interleaved_ms(cases: list[tuple], iters: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def make_runner(model_dir: Path, config: ModelConfig, num_blocks: int,
-                linear_backend: str, attention_backend: str) -> StageRunner:  # fmt: skip
+def make_runner(
+    model_dir: Path,
+    config: ModelConfig,
+    num_blocks: int,
+    linear_backend: str,
+    attention_backend: str,
+) -> StageRunner:
     stage = stage_spec(config.num_hidden_layers, 1, 0)
     model = load_stage_model(model_dir, stage, "float32", attention_backend)
     if linear_backend == "onednn":
@@ -65,11 +70,16 @@ def ours_decode(runner: StageRunner, batch: int) -> list[tuple]:
     runner.requests.clear()
     new = [
         NewRequest(
-            f"r{i}", [5] * CONTEXT, CONTEXT - 1, SamplingParams(),
-            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), CONTEXT - 1, 1,
+            f"r{i}",
+            [5] * CONTEXT,
+            CONTEXT - 1,
+            SamplingParams(),
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            CONTEXT - 1,
+            1,
         )
         for i in range(batch)
-    ]  # fmt: skip
+    ]
     runner.execute(StepPlan(0, new_requests=new))
     plan = StepPlan(1, cached_requests=[CachedRequest(f"r{i}", 1, [], [5]) for i in range(batch)])
 
@@ -131,10 +141,18 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--linear-backend", choices=["onednn", "torch"], default="onednn",
-                        help="our matmuls (default: onednn, as the worker uses on CPU)")
-    parser.add_argument("--attention-backend", choices=["cpu", "torch"], default="cpu",
-                        help="our attention (default: cpu, as the worker uses on CPU)")
+    parser.add_argument(
+        "--linear-backend",
+        choices=["onednn", "torch"],
+        default="onednn",
+        help="our matmuls (default: onednn, as the worker uses on CPU)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=["cpu", "torch"],
+        default="cpu",
+        help="our attention (default: cpu, as the worker uses on CPU)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
@@ -146,11 +164,14 @@ def main() -> None:
     config = ModelConfig.from_dir(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     num_blocks = max(args.batches) * (CONTEXT // BLOCK_SIZE + 1) + 64
-    runner = make_runner(args.model, config, num_blocks, args.linear_backend,
-                         args.attention_backend)  # fmt: skip
+    runner = make_runner(
+        args.model, config, num_blocks, args.linear_backend, args.attention_backend
+    )
 
-    print(f"SmolLM2-135M fp32, {args.threads} threads, {args.linear_backend} matmuls, "
-          f"{args.attention_backend} attention, median of {args.iters}, ms")
+    print(
+        f"SmolLM2-135M fp32, {args.threads} threads, {args.linear_backend} matmuls, "
+        f"{args.attention_backend} attention, median of {args.iters}, ms"
+    )
     print(f"{'case':<22}{'ours step':>10}{'ours fwd':>10}{'HF fwd':>10}{'HF/ours step':>14}")
     for batch in args.batches:
         step, fwd, ref = interleaved_ms(

@@ -80,15 +80,21 @@ def main() -> int:
 
     model = args.model or fetch_model("smollm2-135m")
     threads = args.threads or max(1, 2 // args.stages)
-    mode = Mode(f"{args.scheduling}-{args.stages}stage", f"{args.stages} stages {args.scheduling}",
-                args.stages, args.scheduling, threads)  # fmt: skip
+    mode = Mode(
+        f"{args.scheduling}-{args.stages}stage",
+        f"{args.stages} stages {args.scheduling}",
+        args.stages,
+        args.scheduling,
+        threads,
+    )
     out_dir = Path("bench/results") / f"profile-{mode.key}"
     out_dir.mkdir(parents=True, exist_ok=True)
     stack = start_stack(model, mode, out_dir)
     try:
         pids = service_pids(stack.proc.pid)
-        workload = Workload(num_prompts=args.num_prompts, input_len=args.input_len,
-                            output_len=args.output_len)  # fmt: skip
+        workload = Workload(
+            num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
+        )
         requests = workload.build(asyncio.run(token_pool(stack.router)))
         quiet = BenchTarget(stack.router, None, DriverOptions(progress=False))
         asyncio.run(run_benchmark(quiet, requests[:4]))  # warm-up
@@ -96,18 +102,33 @@ def main() -> int:
         for name, pid in pids.items():
             for fmt, suffix in (("raw", "txt"), ("speedscope", "speedscope.json")):
                 spies[name, fmt] = subprocess.Popen(
-                    [py_spy, "record", "--pid", str(pid), "--rate", str(args.rate),
-                     "--duration", str(args.duration), "--format", fmt, "--nonblocking",
-                     "--output", str(out_dir / f"{name}.{suffix}")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )  # fmt: skip
+                    [
+                        py_spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--rate",
+                        str(args.rate),
+                        "--duration",
+                        str(args.duration),
+                        "--format",
+                        fmt,
+                        "--nonblocking",
+                        "--output",
+                        str(out_dir / f"{name}.{suffix}"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
         result = asyncio.run(run_benchmark(BenchTarget(stack.router, stack.scheduler), requests))
         for spy in spies.values():
             spy.wait()
     finally:
         stack.stop()
-    print(f"output throughput {result['output_throughput']:.1f} tok/s, "
-          f"mean TPOT {result['mean_tpot_ms']:.1f} ms, bubble {result.get('bubble_fraction')}")
+    print(
+        f"output throughput {result['output_throughput']:.1f} tok/s, "
+        f"mean TPOT {result['mean_tpot_ms']:.1f} ms, bubble {result.get('bubble_fraction')}"
+    )
     for name in pids:
         raw = out_dir / f"{name}.txt"
         if not raw.exists():

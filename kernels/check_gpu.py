@@ -48,8 +48,11 @@ def make_batch(seqs, num_kv_heads, head_dim, dtype, device, block_size=BLOCK_SIZ
     seq_lens = torch.tensor([c + q for c, q in seqs], device=device, dtype=torch.int32)
     seq_of_row = torch.repeat_interleave(torch.arange(len(seqs), device=device), query_lens)
     first_row = torch.cumsum(query_lens, 0) - query_lens
-    positions = (torch.arange(int(query_lens.sum()), device=device) - first_row[seq_of_row]
-                 + (seq_lens - query_lens)[seq_of_row])  # fmt: skip
+    positions = (
+        torch.arange(int(query_lens.sum()), device=device)
+        - first_row[seq_of_row]
+        + (seq_lens - query_lens)[seq_of_row]
+    )
     blocks = block_tables[seq_of_row, positions // block_size].long()
     meta = AttentionMetadata(
         positions=positions,
@@ -91,8 +94,11 @@ def check_correctness(device: str) -> list[str]:
     mixed = [(0, 100), (37, 1), (500, 64), (1000, 1), (3, 1)]
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for label, (hq, hkv, d) in HEAD_SHAPES.items():
-            for seqs, kind, splits in ((mixed, "mixed", None), ([(4000, 1)], "decode", None),
-                                       ([(4000, 1), (50, 1)], "decode split-K=7", 7)):  # fmt: skip
+            for seqs, kind, splits in (
+                (mixed, "mixed", None),
+                ([(4000, 1)], "decode", None),
+                ([(4000, 1), (50, 1)], "decode split-K=7", 7),
+            ):
                 meta, k_cache, v_cache = make_batch(seqs, hkv, d, dtype, device)
                 q = torch.randn(meta.num_tokens, hq, d, device=device, dtype=dtype)
                 got = paged_attention(q, k_cache, v_cache, meta, d**-0.5, num_splits=splits)
@@ -132,8 +138,11 @@ def time_attention(device: str) -> None:
     print(f"\n  {'heads':8} {'case':22} {'triton us':>10} {'sdpa us':>10} {'speedup':>8}")
     dtype = torch.bfloat16
     for label, (hq, hkv, d) in HEAD_SHAPES.items():
-        cases = [(f"decode B={b} ctx={c // 1024}k", [(c - 1, 1)] * b)
-                 for b in (1, 32, 256) for c in (1024, 8192)]  # fmt: skip
+        cases = [
+            (f"decode B={b} ctx={c // 1024}k", [(c - 1, 1)] * b)
+            for b in (1, 32, 256)
+            for c in (1024, 8192)
+        ]
         cases.append(("prefill 2k", [(0, 2048)]))
         for name, seqs in cases:
             ours, theirs = _bench_attention(seqs, hq, hkv, d, dtype, device)
@@ -155,8 +164,11 @@ def _bench_attention(seqs, num_q_heads, num_kv_heads, head_dim, dtype, device):
     values = _gather(v_cache, meta, meta.max_seq_len)
     queries = q.view(len(seqs), -1, num_q_heads, head_dim).transpose(1, 2)  # [B, Hq, Lq, D]
     is_causal = meta.max_query_len > 1
-    theirs = do_bench(lambda: F.scaled_dot_product_attention(
-        queries, keys, values, is_causal=is_causal, scale=scale, enable_gqa=True))  # fmt: skip
+    theirs = do_bench(
+        lambda: F.scaled_dot_product_attention(
+            queries, keys, values, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    )
     return ours * 1e3, theirs * 1e3
 
 
@@ -180,9 +192,17 @@ def time_pointwise(device: str) -> None:
     gate_up = torch.randn(256, 2 * 14336, device=device, dtype=dtype)
     print(f"\n  {'kernel':30} {'triton us':>10} {'torch us':>10}")
     for name, ours, theirs in (
-        ("rms_norm + residual [256,4096]", lambda: rms_norm(x, w, 1e-5, res), lambda: rms_norm_ref(x, w, 1e-5, res)),
-        ("silu_and_mul [256,2x14336]", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up)),
-    ):  # fmt: skip
+        (
+            "rms_norm + residual [256,4096]",
+            lambda: rms_norm(x, w, 1e-5, res),
+            lambda: rms_norm_ref(x, w, 1e-5, res),
+        ),
+        (
+            "silu_and_mul [256,2x14336]",
+            lambda: silu_and_mul(gate_up),
+            lambda: silu_and_mul_ref(gate_up),
+        ),
+    ):
         print(f"  {name:30} {do_bench(ours) * 1e3:10.1f} {do_bench(theirs) * 1e3:10.1f}")
 
 
@@ -215,9 +235,13 @@ def _greedy(model, config, device, prompt: list[int], num_tokens: int) -> list[i
     max_len = len(prompt) + num_tokens
     num_blocks = -(-max_len // BLOCK_SIZE)
     shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.zeros(shape, device=device, dtype=torch.bfloat16),
-               torch.zeros(shape, device=device, dtype=torch.bfloat16))
-              for _ in range(config.num_hidden_layers)]  # fmt: skip
+    caches = [
+        (
+            torch.zeros(shape, device=device, dtype=torch.bfloat16),
+            torch.zeros(shape, device=device, dtype=torch.bfloat16),
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
     block_table = torch.arange(num_blocks, device=device, dtype=torch.int32)[None]
     tokens, produced, ctx = list(prompt), [], 0
     while len(produced) < num_tokens:
@@ -246,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-timing", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check (the kernels' CPU tests run under "
-              "TRITON_INTERPRET=1 in tests/kernels)")  # fmt: skip
+        print(
+            "no CUDA device: nothing to check (the kernels' CPU tests run under "
+            "TRITON_INTERPRET=1 in tests/kernels)"
+        )
         return 0
     device = "cuda"
     torch.manual_seed(0)

@@ -55,20 +55,43 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, scale_log2,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
     stride_bt,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,11 +188,17 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     """Merges the NUM_SPLITS partial results of one (token, query head)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -258,22 +287,44 @@ def paged_attention(
     head_dim_pad = max(16, next_power_of_2(head_dim))
     is_fp32_dot = q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        out, part_out, part_lse,
-        q, k_cache, v_cache,
-        block_tables, meta.seq_lens, meta.query_start_loc,
-        num_seqs, scale * _LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        out,
+        part_out,
+        part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        num_seqs,
+        scale * _LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_FP32=is_fp32_dot,
-    )  # fmt: skip
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DOT_FP32=is_fp32_dot,
+    )
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
-        )  # fmt: skip
+            out,
+            part_out,
+            part_lse,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=next_power_of_2(head_dim),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_power_of_2(num_splits),
+        )
     return out
 
 
@@ -321,8 +372,9 @@ def _check_args(q, k_cache, v_cache, meta, out) -> tuple[int, int, int, int, int
     ints = (torch.int32, torch.int64)
     num_seqs = meta.seq_lens.shape[0] if isinstance(meta.seq_lens, torch.Tensor) else None
     check_tensor("meta.seq_lens", meta.seq_lens, ndim=1, dtypes=ints)
-    check_tensor("meta.query_start_loc", meta.query_start_loc, ndim=1, dtypes=ints,
-                 shape=(num_seqs + 1,))  # fmt: skip
+    check_tensor(
+        "meta.query_start_loc", meta.query_start_loc, ndim=1, dtypes=ints, shape=(num_seqs + 1,)
+    )
     check_tensor(
         "meta.block_tables", meta.block_tables, ndim=2, dtypes=ints, shape=(num_seqs, None)
     )

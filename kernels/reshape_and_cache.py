@@ -17,14 +17,31 @@ from kernels._checks import check_device, check_same_dtype, check_tensor, next_p
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -61,17 +78,27 @@ def reshape_and_cache(
     check_tensor("v", v, ndim=3, shape=tuple(k.shape))
     check_tensor("k_cache", k_cache, ndim=4, shape=(None, None, num_kv_heads, head_dim))
     check_tensor("v_cache", v_cache, ndim=4, shape=tuple(k_cache.shape))
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
-                 shape=(num_tokens,))  # fmt: skip
+    check_tensor(
+        "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), shape=(num_tokens,)
+    )
     check_same_dtype(("k", "v", "k_cache", "v_cache"), (k, v, k_cache, v_cache))
     names = ("k", "v", "k_cache", "v_cache", "slot_mapping")
     check_device(_reshape_and_cache_kernel, names, (k, v, k_cache, v_cache, slot_mapping))
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
-    )  # fmt: skip
+    )

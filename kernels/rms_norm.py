@@ -17,10 +17,20 @@ from kernels._checks import check_device, check_same_dtype, check_tensor, next_p
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
-    stride_ot, stride_rot, stride_xt, stride_rt,
-    eps, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    residual_out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    stride_ot,
+    stride_rot,
+    stride_xt,
+    stride_rt,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < HIDDEN
@@ -73,9 +83,18 @@ def rms_norm(
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens > 0:
         _rms_norm_kernel[(num_tokens,)](
-            out, residual_out, x, residual if residual is not None else x, weight,
-            out.stride(0), residual_out.stride(0), x.stride(0),
+            out,
+            residual_out,
+            x,
+            residual if residual is not None else x,
+            weight,
+            out.stride(0),
+            residual_out.stride(0),
+            x.stride(0),
             residual.stride(0) if residual is not None else 0,
-            eps, HIDDEN=hidden, BLOCK_H=next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
-        )  # fmt: skip
+            eps,
+            HIDDEN=hidden,
+            BLOCK_H=next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None,
+        )
     return out if residual is None else (out, residual_out)

@@ -21,9 +21,17 @@ from kernels._checks import check_device, check_tensor, next_power_of_2
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_xh, stride_xd, cos, sin,
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                  HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
+def _rotate_heads(
+    x_ptr,
+    stride_xh,
+    stride_xd,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     """Rotates the [NUM_HEADS, 2 * HALF] head vectors at x_ptr in place."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HALF_PAD)[None, :]
@@ -40,11 +48,24 @@ def _rotate_heads(x_ptr, stride_xh, stride_xd, cos, sin,
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cp,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_cp,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
@@ -52,10 +73,28 @@ def _rotary_kernel(
     sin = tl.load(cache_ptr + pos * stride_cp + HALF + offs, mask=offs < HALF, other=0.0).to(
         tl.float32
     )
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, cos[None, :], sin[None, :],
-                  NUM_Q_HEADS, HALF, Q_HEADS_PAD, HALF_PAD)  # fmt: skip
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, cos[None, :], sin[None, :],
-                  NUM_KV_HEADS, HALF, KV_HEADS_PAD, HALF_PAD)  # fmt: skip
+    _rotate_heads(
+        q_ptr + t * stride_qt,
+        stride_qh,
+        stride_qd,
+        cos[None, :],
+        sin[None, :],
+        NUM_Q_HEADS,
+        HALF,
+        Q_HEADS_PAD,
+        HALF_PAD,
+    )
+    _rotate_heads(
+        k_ptr + t * stride_kt,
+        stride_kh,
+        stride_kd,
+        cos[None, :],
+        sin[None, :],
+        NUM_KV_HEADS,
+        HALF,
+        KV_HEADS_PAD,
+        HALF_PAD,
+    )
 
 
 def rotary_embedding(
@@ -87,10 +126,18 @@ def rotary_embedding(
     half = head_dim // 2
     if num_tokens > 0:
         _rotary_kernel[(num_tokens,)](
-            q, k, positions, cos_sin_cache,
-            *q.stride(), *k.stride(), cos_sin_cache.stride(0),
-            NUM_Q_HEADS=q.shape[1], NUM_KV_HEADS=k.shape[1], HALF=half,
-            Q_HEADS_PAD=next_power_of_2(q.shape[1]), KV_HEADS_PAD=next_power_of_2(k.shape[1]),
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            *q.stride(),
+            *k.stride(),
+            cos_sin_cache.stride(0),
+            NUM_Q_HEADS=q.shape[1],
+            NUM_KV_HEADS=k.shape[1],
+            HALF=half,
+            Q_HEADS_PAD=next_power_of_2(q.shape[1]),
+            KV_HEADS_PAD=next_power_of_2(k.shape[1]),
             HALF_PAD=next_power_of_2(half),
-        )  # fmt: skip
+        )
     return q, k

@@ -33,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     up = argparse.ArgumentParser()
     add_up_arguments(up)
     up_args = up.parse_args(
-        ["--model", model, "--stages", "2", "--port", str(free_port()), "--kv-cache-memory", "512MiB"]
+        [
+            "--model",
+            model,
+            "--stages",
+            "2",
+            "--port",
+            str(free_port()),
+            "--kv-cache-memory",
+            "512MiB",
+        ]
     )
     print(f"starting Conveyor: {model}, 2 pipeline stages, async scheduling ...", flush=True)
     t0 = time.monotonic()
@@ -43,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"> {args.chat}\n", flush=True)
         num_tokens, finish = 0, None
         with ConveyorClient(address, timeout_s=300) as client:
-            for delta in client.generate(chat=[{"role": "user", "content": args.chat}],
-                                         max_tokens=args.max_tokens):  # fmt: skip
+            for delta in client.generate(
+                chat=[{"role": "user", "content": args.chat}], max_tokens=args.max_tokens
+            ):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 num_tokens += len(delta.token_ids)

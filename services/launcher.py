@@ -97,7 +97,9 @@ class Stack:
     stopping: bool = False
     """Set by the launcher's signal handler; start-up gives up at its next wait."""
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", *argv]
         logger.info("starting %s: %s", name, " ".join(argv))
         proc = subprocess.Popen(cmd, env=child_env(env))
@@ -153,9 +155,23 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         for stage in range(args.stages):
             port = free_port()
             worker_addrs.append(f"127.0.0.1:{port}")
-            argv = ["worker", "--model", args.model, "--stage", str(stage),
-                    "--stages", str(args.stages), "--dist-addr", dist_addr, "--port", str(port),
-                    "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype]  # fmt: skip
+            argv = [
+                "worker",
+                "--model",
+                args.model,
+                "--stage",
+                str(stage),
+                "--stages",
+                str(args.stages),
+                "--dist-addr",
+                dist_addr,
+                "--port",
+                str(port),
+                "--kv-cache-memory",
+                args.kv_cache_memory,
+                "--dtype",
+                args.dtype,
+            ]
             if args.threads:
                 argv += ["--threads", str(args.threads)]
             if args.layer_split:
@@ -169,9 +185,18 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         scheduler_port = args.scheduler_port or free_port()
         scheduler_addr = f"127.0.0.1:{scheduler_port}"
         stack.scheduler_address = scheduler_addr
-        argv = ["scheduler", "--workers", ",".join(worker_addrs), "--redis-url", redis_url,
-                "--port", str(scheduler_port), "--scheduling", args.scheduling,
-                *args.scheduler_args]  # fmt: skip
+        argv = [
+            "scheduler",
+            "--workers",
+            ",".join(worker_addrs),
+            "--redis-url",
+            redis_url,
+            "--port",
+            str(scheduler_port),
+            "--scheduling",
+            args.scheduling,
+            *args.scheduler_args,
+        ]
         if args.timeline:
             argv += ["--timeline", args.timeline]
         if args.trace_scheduler:
@@ -181,9 +206,17 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop)
         public_addr = scheduler_addr
         if _has_router():
-            argv = ["router", "--scheduler", scheduler_addr, "--model", args.model,
-                    "--port", str(args.port), *_observability_args(args, 0),
-                    *args.router_args]  # fmt: skip
+            argv = [
+                "router",
+                "--scheduler",
+                scheduler_addr,
+                "--model",
+                args.model,
+                "--port",
+                str(args.port),
+                *_observability_args(args, 0),
+                *args.router_args,
+            ]
             router = stack.spawn("router", argv, env)
             public_addr = f"127.0.0.1:{args.port}"
             wait_serving(public_addr, args.startup_timeout, router, should_stop)
@@ -212,43 +245,102 @@ def _has_router() -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--stages", "--pipeline-parallel-size", dest="stages", type=int,
-                        default=2, help="pipeline stages, one worker process each (default: 2)")
+    parser.add_argument(
+        "--stages",
+        "--pipeline-parallel-size",
+        dest="stages",
+        type=int,
+        default=2,
+        help="pipeline stages, one worker process each (default: 2)",
+    )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
-    parser.add_argument("--redis-url", default=None,
-                        help="Redis to keep request state in (default: start a private redis-server)")
-    parser.add_argument("--scheduling", choices=["async", "sync"], default="async",
-                        help="scheduling mode (default: async)")
-    parser.add_argument("--kv-cache-memory", default="1GiB",
-                        help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis to keep request state in (default: start a private redis-server)",
+    )
+    parser.add_argument(
+        "--scheduling",
+        choices=["async", "sync"],
+        default="async",
+        help="scheduling mode (default: async)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per worker (default: cores / stages)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per worker (default: cores / stages)",
+    )
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
-    parser.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
-                        help="workers' matmul kernels (default: auto = onednn on CPU)")
-    parser.add_argument("--cpu-affinity", choices=["auto", "off"], default="auto",
-                        help="auto: pin each stage to its own cores when stages x threads fit "
-                             "on this machine's cores (default: auto)")
-    parser.add_argument("--scheduler-port", type=int, default=None,
-                        help="scheduler gRPC port (default: a free port)")
-    parser.add_argument("--timeline", default=None,
-                        help="write a Chrome/Perfetto trace of the pipeline to FILE on stop")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="Prometheus metrics: the router on N, the scheduler on N+1, "
-                             "stage i on N+2+i (default: off)")  # fmt: skip
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export OpenTelemetry spans of every service: http://HOST:4317, "
-                             "grpc://HOST:PORT or file:///PATH (default: off)")  # fmt: skip
-    parser.add_argument("--trace-scheduler", default=None, metavar="FILE",
-                        help="the scheduler appends every request transition and step plan "
-                             "to FILE as JSON lines")  # fmt: skip
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="seconds to wait for every service to be SERVING (default: 300)")
-    parser.add_argument("--scheduler-arg", dest="scheduler_args", action="append", default=[],
-                        help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64")
-    parser.add_argument("--router-arg", dest="router_args", action="append", default=[],
-                        help="extra flag passed to the router")
+    parser.add_argument(
+        "--linear-backend",
+        choices=["auto", "onednn", "torch"],
+        default="auto",
+        help="workers' matmul kernels (default: auto = onednn on CPU)",
+    )
+    parser.add_argument(
+        "--cpu-affinity",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: pin each stage to its own cores when stages x threads fit "
+        "on this machine's cores (default: auto)",
+    )
+    parser.add_argument(
+        "--scheduler-port",
+        type=int,
+        default=None,
+        help="scheduler gRPC port (default: a free port)",
+    )
+    parser.add_argument(
+        "--timeline",
+        default=None,
+        help="write a Chrome/Perfetto trace of the pipeline to FILE on stop",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus metrics: the router on N, the scheduler on N+1, "
+        "stage i on N+2+i (default: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export OpenTelemetry spans of every service: http://HOST:4317, "
+        "grpc://HOST:PORT or file:///PATH (default: off)",
+    )
+    parser.add_argument(
+        "--trace-scheduler",
+        default=None,
+        metavar="FILE",
+        help="the scheduler appends every request transition and step plan to FILE as JSON lines",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every service to be SERVING (default: 300)",
+    )
+    parser.add_argument(
+        "--scheduler-arg",
+        dest="scheduler_args",
+        action="append",
+        default=[],
+        help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64",
+    )
+    parser.add_argument(
+        "--router-arg",
+        dest="router_args",
+        action="append",
+        default=[],
+        help="extra flag passed to the router",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,8 +358,11 @@ def run(args: argparse.Namespace) -> int:
         _, address = start_stack(args, stack)
     except StackStopped:
         return 0
-    print(f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
-          f"scheduler on {stack.scheduler_address}", flush=True)  # fmt: skip
+    print(
+        f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
+        f"scheduler on {stack.scheduler_address}",
+        flush=True,
+    )
     try:
         while not stack.stopping:
             exited = stack.first_exited()

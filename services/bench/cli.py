@@ -19,67 +19,125 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.bench.run import DATASETS
 
-    parser.add_argument("--server", default="localhost:50051",
-                        help="router address (default: localhost:50051)")
-    parser.add_argument("--scheduler", default=None,
-                        help="scheduler address, for bubble per stage, prefix-cache hit rate "
-                             "and preemptions (optional)")
-    parser.add_argument("--dataset", choices=DATASETS, default="random",
-                        help="random token prompts, or prompts sharing prefixes (default: random)")
+    parser.add_argument(
+        "--server", default="localhost:50051", help="router address (default: localhost:50051)"
+    )
+    parser.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler address, for bubble per stage, prefix-cache hit rate "
+        "and preemptions (optional)",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="random",
+        help="random token prompts, or prompts sharing prefixes (default: random)",
+    )
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default: 64)")
-    parser.add_argument("--input-len", type=int, default=None,
-                        help="prompt tokens (prefix dataset: after the prefix) (default: 128)")
-    parser.add_argument("--output-len", type=int, default=None,
-                        help="output tokens per request (default: 128)")
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="lengths vary uniformly within ±ratio of --input-len/--output-len")
-    parser.add_argument("--prefix-len", type=int, default=64,
-                        help="prefix dataset: shared prefix tokens (default: 64)")
-    parser.add_argument("--num-prefixes", type=int, default=1,
-                        help="prefix dataset: distinct prefixes, used in turn (default: 1)")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals; inf sends all at once "
-                             "(default: inf)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="at most this many requests in flight (default: no limit)")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly --output-len tokens (default: on)")
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="prompt tokens (prefix dataset: after the prefix) (default: 128)",
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=None, help="output tokens per request (default: 128)"
+    )
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths vary uniformly within ±ratio of --input-len/--output-len",
+    )
+    parser.add_argument(
+        "--prefix-len",
+        type=int,
+        default=64,
+        help="prefix dataset: shared prefix tokens (default: 64)",
+    )
+    parser.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        help="prefix dataset: distinct prefixes, used in turn (default: 1)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals; inf sends all at once (default: inf)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight (default: no limit)",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly --output-len tokens (default: on)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="per-request deadline in seconds (default: none)")
-    parser.add_argument("--json", dest="json_path", default=None,
-                        help="also write the result as JSON to FILE")
-    parser.add_argument("--no-progress", dest="progress", action="store_false",
-                        help="no progress bar")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per-request deadline in seconds (default: none)",
+    )
+    parser.add_argument(
+        "--json", dest="json_path", default=None, help="also write the result as JSON to FILE"
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
     compare = parser.add_argument_group("--compare: start stacks on this machine and compare")
-    compare.add_argument("--compare", action="store_true",
-                         help="2 stages sync, 2 stages async, 1 stage and transformers static "
-                              "batching on one workload; writes bench/results/")
-    compare.add_argument("--model", default=None,
-                         help="model directory (default: SmolLM2-135M, fetched once)")
-    compare.add_argument("--results-dir", default="bench/results",
-                         help="where --compare writes JSON, traces and PNGs (default: bench/results)")
-    compare.add_argument("--skip-hf", action="store_true",
-                         help="leave out the transformers baseline")
+    compare.add_argument(
+        "--compare",
+        action="store_true",
+        help="2 stages sync, 2 stages async, 1 stage and transformers static "
+        "batching on one workload; writes bench/results/",
+    )
+    compare.add_argument(
+        "--model", default=None, help="model directory (default: SmolLM2-135M, fetched once)"
+    )
+    compare.add_argument(
+        "--results-dir",
+        default="bench/results",
+        help="where --compare writes JSON, traces and PNGs (default: bench/results)",
+    )
+    compare.add_argument(
+        "--skip-hf", action="store_true", help="leave out the transformers baseline"
+    )
 
 
 def _workload(args: argparse.Namespace):
     from services.bench.run import Workload
 
     return Workload(
-        dataset=args.dataset, num_prompts=args.num_prompts or 64,
-        input_len=args.input_len or 128, output_len=args.output_len or 128,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes, seed=args.seed,
-    )  # fmt: skip
+        dataset=args.dataset,
+        num_prompts=args.num_prompts or 64,
+        input_len=args.input_len or 128,
+        output_len=args.output_len or 128,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        seed=args.seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from services.bench.driver import DriverOptions
 
-    options = DriverOptions(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                            ignore_eos=args.ignore_eos, timeout_s=args.timeout,
-                            progress=args.progress)  # fmt: skip
+    options = DriverOptions(
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.timeout,
+        progress=args.progress,
+    )
     if args.compare:
         from services.bench.compare import run_compare
 

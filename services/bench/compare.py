@@ -39,16 +39,30 @@ HF_KEY = "transformers"
 
 # (name, numerator mode, denominator mode, metric, target, higher is better)
 RATIOS = (
-    ("async / sync output throughput", "async-2stage", "sync-2stage", "output_throughput", 1.3, True),
+    (
+        "async / sync output throughput",
+        "async-2stage",
+        "sync-2stage",
+        "output_throughput",
+        1.3,
+        True,
+    ),
     ("async / sync mean TPOT", "async-2stage", "sync-2stage", "mean_tpot_ms", 0.75, False),
-    ("2-stage async / 1-stage throughput", "async-2stage", "async-1stage", "output_throughput",
-     0.95, True),
+    (
+        "2-stage async / 1-stage throughput",
+        "async-2stage",
+        "async-1stage",
+        "output_throughput",
+        0.95,
+        True,
+    ),
     ("stack / transformers throughput", "async-2stage", HF_KEY, "output_throughput", 1.4, True),
-)  # fmt: skip
+)
 
 
-async def _bench_mode(stack: RunningStack, requests: list[BenchRequest],
-                      options: DriverOptions, seed: int) -> dict:  # fmt: skip
+async def _bench_mode(
+    stack: RunningStack, requests: list[BenchRequest], options: DriverOptions, seed: int
+) -> dict:
     """Warm-up, one request alone (its TPOT), then the workload with scheduler stats."""
     pool = await token_pool(stack.router)
     quiet = DriverOptions(progress=False, ignore_eos=True)
@@ -59,15 +73,22 @@ async def _bench_mode(stack: RunningStack, requests: list[BenchRequest],
     alone = await run_benchmark(BenchTarget(stack.router, None, quiet), single)
     meter = CpuMeter([stack.proc.pid, os.getpid()])
     meter.start()
-    result = await run_benchmark(BenchTarget(stack.router, stack.scheduler, options), requests,
-                                 seed=seed)  # fmt: skip
+    result = await run_benchmark(
+        BenchTarget(stack.router, stack.scheduler, options), requests, seed=seed
+    )
     result["cpu"] = meter.stop()
     result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
     return result
 
 
-def _run_mode(model_dir, mode: Mode, workload: Workload, options: DriverOptions,
-              results_dir: Path, requests: list[BenchRequest] | None):  # fmt: skip
+def _run_mode(
+    model_dir,
+    mode: Mode,
+    workload: Workload,
+    options: DriverOptions,
+    results_dir: Path,
+    requests: list[BenchRequest] | None,
+):
     stack = start_stack(model_dir, mode, results_dir)
     try:
         if requests is None:
@@ -77,8 +98,11 @@ def _run_mode(model_dir, mode: Mode, workload: Workload, options: DriverOptions,
     finally:
         stack.stop()
     if stack.trace_path.exists():
-        png = plot_trace(stack.trace_path, results_dir / f"bubble-{mode.key}.png",
-                         title=f"{mode.label}: bubble {_bubbles(result)}")  # fmt: skip
+        png = plot_trace(
+            stack.trace_path,
+            results_dir / f"bubble-{mode.key}.png",
+            title=f"{mode.label}: bubble {_bubbles(result)}",
+        )
         result["trace"], result["png"] = str(stack.trace_path), str(png) if png else None
     else:
         logger.warning("%s wrote no trace (see %s)", mode.label, stack.log_path)
@@ -96,38 +120,76 @@ def ratios(results: dict[str, dict]) -> list[dict]:
         if num in results and den in results and results[den].get(metric):
             value = results[num][metric] / results[den][metric]
             met = value >= target if higher else value <= target
-            rows.append({"name": name, "value": value,
-                         "target": f"{'>=' if higher else '<='} {target}", "met": met})  # fmt: skip
+            rows.append(
+                {
+                    "name": name,
+                    "value": value,
+                    "target": f"{'>=' if higher else '<='} {target}",
+                    "met": met,
+                }
+            )
     if "async-2stage" in results:
         res = results["async-2stage"]
         tpot = res["single_request_tpot_ms"]
-        rows.append({"name": "single-request TPOT (ms), 2-stage async", "value": tpot,
-                     "target": "<= 40", "met": tpot <= 40})  # fmt: skip
+        rows.append(
+            {
+                "name": "single-request TPOT (ms), 2-stage async",
+                "value": tpot,
+                "target": "<= 40",
+                "met": tpot <= 40,
+            }
+        )
         worst = max(res.get("bubble_fraction") or [float("nan")])
-        rows.append({"name": "async bubble, worst stage", "value": worst, "target": "<= 0.05",
-                     "met": worst <= 0.05})  # fmt: skip
+        rows.append(
+            {
+                "name": "async bubble, worst stage",
+                "value": worst,
+                "target": "<= 0.05",
+                "met": worst <= 0.05,
+            }
+        )
     return rows
 
 
 def comparison_table(results: dict[str, dict], ratio_rows: list[dict]) -> str:
     labels = {m.key: m.label for m in MODES} | {HF_KEY: "transformers static batch"}
-    header = ["mode", "out tok/s", "req/s", "TTFT ms", "TPOT ms", "p99 ITL ms", "bubble",
-              "1-req TPOT ms", "others' cores"]  # fmt: skip
+    header = [
+        "mode",
+        "out tok/s",
+        "req/s",
+        "TTFT ms",
+        "TPOT ms",
+        "p99 ITL ms",
+        "bubble",
+        "1-req TPOT ms",
+        "others' cores",
+    ]
     rows = []
     for key, res in results.items():
-        rows.append([labels.get(key, key), f"{res['output_throughput']:.1f}",
-                     f"{res['request_throughput']:.2f}", f"{res['mean_ttft_ms']:.0f}",
-                     f"{res['mean_tpot_ms']:.1f}",
-                     f"{res['p99_itl_ms']:.1f}" if "p99_itl_ms" in res else "-",
-                     _bubbles(res) if "bubble_fraction" in res else "-",
-                     f"{res['single_request_tpot_ms']:.1f}"
-                     if "single_request_tpot_ms" in res else "-",
-                     res.get("cpu", {}).get("other_cores", "-")])  # fmt: skip
-    ratio_grid = grid(["ratio", "measured", "target", ""],
-                      [[r["name"], f"{r['value']:.2f}", r["target"], "ok" if r["met"] else "MISS"]
-                       for r in ratio_rows])  # fmt: skip
-    note = ("others' cores: CPU used by other processes during the run (of "
-            f"{os.cpu_count()}); ratios between runs with different values are noise")
+        rows.append(
+            [
+                labels.get(key, key),
+                f"{res['output_throughput']:.1f}",
+                f"{res['request_throughput']:.2f}",
+                f"{res['mean_ttft_ms']:.0f}",
+                f"{res['mean_tpot_ms']:.1f}",
+                f"{res['p99_itl_ms']:.1f}" if "p99_itl_ms" in res else "-",
+                _bubbles(res) if "bubble_fraction" in res else "-",
+                f"{res['single_request_tpot_ms']:.1f}" if "single_request_tpot_ms" in res else "-",
+                res.get("cpu", {}).get("other_cores", "-"),
+            ]
+        )
+    ratio_grid = grid(
+        ["ratio", "measured", "target", ""],
+        [
+            [r["name"], f"{r['value']:.2f}", r["target"], "ok" if r["met"] else "MISS"]
+            for r in ratio_rows
+        ],
+    )
+    note = (
+        "others' cores: CPU used by other processes during the run (of "
+        f"{os.cpu_count()}); ratios between runs with different values are noise"
+    )
     return grid(header, rows) + "\n" + note + "\n\n" + ratio_grid
 
 
@@ -140,8 +202,9 @@ def run_compare(args: argparse.Namespace, workload: Workload, options: DriverOpt
     results: dict[str, dict] = {}
     requests = None
     for mode in MODES:
-        results[mode.key], requests = _run_mode(model_dir, mode, workload, options, results_dir,
-                                                requests)  # fmt: skip
+        results[mode.key], requests = _run_mode(
+            model_dir, mode, workload, options, results_dir, requests
+        )
     if not args.skip_hf:
         from services.bench.hf_baseline import hf_static_batching
 
@@ -153,8 +216,11 @@ def run_compare(args: argparse.Namespace, workload: Workload, options: DriverOpt
     ratio_rows = ratios(results)
     report = {
         "workload": asdict(workload),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "model": str(model_dir)},  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "model": str(model_dir),
+        },
         "modes": results,
         "ratios": ratio_rows,
     }

@@ -30,7 +30,9 @@ def _descendants(pid: int) -> set[int]:
     while todo:
         parent = todo.pop()
         for task in Path(f"/proc/{parent}/task").glob("*"):
-            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            children = (
+                (task / "children").read_text().split() if (task / "children").exists() else []
+            )
             for child in map(int, children):
                 if child not in found:
                     found.add(child)

@@ -54,23 +54,35 @@ def _sample_ids(rng: np.random.Generator, token_pool: list[int], n: int) -> list
 
 
 def random_requests(
-    token_pool: list[int], num_prompts: int, input_len: int, output_len: int,
-    range_ratio: float = 0.0, seed: int = 0,
-) -> list[BenchRequest]:  # fmt: skip
+    token_pool: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """`num_prompts` prompts of random ids from `token_pool` (same seed, same prompts)."""
     if not token_pool:
         raise ValueError("token_pool is empty: no ids to build prompts from")
     rng = np.random.default_rng(seed)
     input_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     output_lens = _lengths(rng, output_len, range_ratio, num_prompts)
-    return [BenchRequest(_sample_ids(rng, token_pool, n_in), n_out)
-            for n_in, n_out in zip(input_lens, output_lens, strict=True)]  # fmt: skip
+    return [
+        BenchRequest(_sample_ids(rng, token_pool, n_in), n_out)
+        for n_in, n_out in zip(input_lens, output_lens, strict=True)
+    ]
 
 
 def prefix_requests(
-    token_pool: list[int], num_prompts: int, prefix_len: int, input_len: int, output_len: int,
-    num_prefixes: int = 1, range_ratio: float = 0.0, seed: int = 0,
-) -> list[BenchRequest]:  # fmt: skip
+    token_pool: list[int],
+    num_prompts: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    num_prefixes: int = 1,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Prompts that start with one of `num_prefixes` shared prefixes of `prefix_len` ids,
     followed by `input_len` (± range_ratio) random ids of their own."""
     if num_prefixes < 1:
@@ -78,8 +90,10 @@ def prefix_requests(
     rng = np.random.default_rng(seed + 1)
     prefixes = [_sample_ids(rng, token_pool, prefix_len) for _ in range(num_prefixes)]
     suffixed = random_requests(token_pool, num_prompts, input_len, output_len, range_ratio, seed)
-    return [BenchRequest(prefixes[i % num_prefixes] + r.prompt_ids, r.output_len)
-            for i, r in enumerate(suffixed)]  # fmt: skip
+    return [
+        BenchRequest(prefixes[i % num_prefixes] + r.prompt_ids, r.output_len)
+        for i, r in enumerate(suffixed)
+    ]
 
 
 def arrival_gaps(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:

@@ -51,8 +51,12 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
     from services.client.client import build_request
 
     out = RequestOutput(prompt_len=len(request.prompt_ids))
-    msg = build_request(token_ids=request.prompt_ids, max_tokens=request.output_len,
-                        temperature=0.0, ignore_eos=options.ignore_eos)  # fmt: skip
+    msg = build_request(
+        token_ids=request.prompt_ids,
+        max_tokens=request.output_len,
+        temperature=0.0,
+        ignore_eos=options.ignore_eos,
+    )
     start = time.perf_counter()
     try:
         async for reply in stub.Generate(msg, timeout=options.timeout_s):

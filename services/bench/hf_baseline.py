@@ -24,13 +24,14 @@ def _batch(requests: list[BenchRequest], pad_id: int):
     ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(requests), width), dtype=torch.long)
     for row, r in enumerate(requests):
-        ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        mask[row, width - len(r.prompt_ids):] = 1
+        ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[row, width - len(r.prompt_ids) :] = 1
     return ids, mask
 
 
-def hf_static_batching(model_dir: str | Path, requests: list[BenchRequest],
-                       threads: int = 2) -> dict:  # fmt: skip
+def hf_static_batching(
+    model_dir: str | Path, requests: list[BenchRequest], threads: int = 2
+) -> dict:
     """Runs the batch once after a short warm-up; returns throughputs and latencies."""
     import torch
     import transformers
@@ -46,8 +47,14 @@ def hf_static_batching(model_dir: str | Path, requests: list[BenchRequest],
     def generate(num_new: int, rows: int | None = None) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids[:rows], attention_mask=mask[:rows], do_sample=False,
-                           max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=pad_id)
+            model.generate(
+                input_ids[:rows],
+                attention_mask=mask[:rows],
+                do_sample=False,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                pad_token_id=pad_id,
+            )
         return time.perf_counter() - start
 
     generate(2, rows=2)  # warm-up

@@ -30,8 +30,9 @@ def stage_slices(trace: dict) -> dict[int, list[tuple[float, float, int]]]:
     return dict(sorted(stages.items()))
 
 
-def steady_window(stages: dict[int, list[tuple[float, float, int]]],
-                  num_steps: int = 24) -> tuple[float, float]:  # fmt: skip
+def steady_window(
+    stages: dict[int, list[tuple[float, float, int]]], num_steps: int = 24
+) -> tuple[float, float]:
     """(start_ms, end_ms): about `num_steps` median steps around the middle of the run."""
     all_slices = [s for slices in stages.values() for s in slices]
     start = min(s[0] for s in all_slices)
@@ -48,8 +49,9 @@ def busy_fraction(slices: list[tuple[float, float, int]], window: tuple[float, f
     return busy / (hi - lo) if hi > lo else 0.0
 
 
-def plot_trace(trace_path: str | Path, png_path: str | Path, title: str = "",
-               num_steps: int = 24) -> Path | None:  # fmt: skip
+def plot_trace(
+    trace_path: str | Path, png_path: str | Path, title: str = "", num_steps: int = 24
+) -> Path | None:
     """Writes the PNG; None (logged) when the trace has no steps."""
     import matplotlib
 
@@ -67,8 +69,13 @@ def plot_trace(trace_path: str | Path, png_path: str | Path, title: str = "",
         y = (num_stages - 1 - row) * 10
         ax.broken_barh([(lo, hi - lo)], (y, 8), facecolors="#e8e8e8")  # idle background
         shown = [(s, d, i) for s, d, i in slices if s + d > lo and s < hi]
-        ax.broken_barh([(s, d) for s, d, _ in shown], (y, 8), edgecolor="white", linewidth=0.5,
-                       facecolors=[_COLOURS[i % num_stages % len(_COLOURS)] for *_, i in shown])
+        ax.broken_barh(
+            [(s, d) for s, d, _ in shown],
+            (y, 8),
+            edgecolor="white",
+            linewidth=0.5,
+            facecolors=[_COLOURS[i % num_stages % len(_COLOURS)] for *_, i in shown],
+        )
         idle = 1.0 - busy_fraction(slices, (lo, hi))
         ax.text(hi, y + 4, f"  idle {idle:.0%}", va="center", fontsize=9)
     ax.set_yticks([(num_stages - 1 - r) * 10 + 4 for r in range(num_stages)])

@@ -38,11 +38,19 @@ class Workload:
 
     def build(self, pool: list[int]) -> list[BenchRequest]:
         if self.dataset == "prefix":
-            return prefix_requests(pool, self.num_prompts, self.prefix_len, self.input_len,
-                                   self.output_len, self.num_prefixes, self.range_ratio,
-                                   self.seed)  # fmt: skip
-        return random_requests(pool, self.num_prompts, self.input_len, self.output_len,
-                               self.range_ratio, self.seed)  # fmt: skip
+            return prefix_requests(
+                pool,
+                self.num_prompts,
+                self.prefix_len,
+                self.input_len,
+                self.output_len,
+                self.num_prefixes,
+                self.range_ratio,
+                self.seed,
+            )
+        return random_requests(
+            pool, self.num_prompts, self.input_len, self.output_len, self.range_ratio, self.seed
+        )
 
 
 @dataclass(slots=True)
@@ -59,8 +67,7 @@ async def build_requests(server: str, workload: Workload) -> list[BenchRequest]:
     return workload.build(await token_pool(server))
 
 
-async def run_benchmark(target: BenchTarget, requests: list[BenchRequest],
-                        seed: int = 0) -> dict:  # fmt: skip
+async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed: int = 0) -> dict:
     """Sends `requests`; returns the summary plus, with a scheduler, its pipeline stats
     measured over the run."""
     probe = SchedulerProbe(target.scheduler) if target.scheduler else None

@@ -49,36 +49,66 @@ class RunningStack:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("conveyor up (%s) did not stop in %.0f s; killing it",
-                           self.mode.key, timeout_s)  # fmt: skip
+            logger.warning(
+                "conveyor up (%s) did not stop in %.0f s; killing it", self.mode.key, timeout_s
+            )
             self.proc.kill()
             self.proc.wait()
 
 
-def start_stack(model_dir: str | Path, mode: Mode, results_dir: Path,
-                kv_cache_memory: str = "1GiB", startup_timeout_s: float = 600.0) -> RunningStack:
+def start_stack(
+    model_dir: str | Path,
+    mode: Mode,
+    results_dir: Path,
+    kv_cache_memory: str = "1GiB",
+    startup_timeout_s: float = 600.0,
+) -> RunningStack:
     """Starts `conveyor up` for `mode` and waits until its router is SERVING."""
     from services.launcher import wait_serving
 
     port, scheduler_port = free_port(), free_port()
     trace = (results_dir / f"trace-{mode.key}.json").resolve()
     log_path = results_dir / f"stack-{mode.key}.log"
-    argv = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "up",
-            "--model", str(model_dir), "--stages", str(mode.stages),
-            "--scheduling", mode.scheduling, "--threads", str(mode.threads),
-            "--port", str(port), "--scheduler-port", str(scheduler_port),
-            "--kv-cache-memory", kv_cache_memory, "--timeline", str(trace)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        str(model_dir),
+        "--stages",
+        str(mode.stages),
+        "--scheduling",
+        mode.scheduling,
+        "--threads",
+        str(mode.threads),
+        "--port",
+        str(port),
+        "--scheduler-port",
+        str(scheduler_port),
+        "--kv-cache-memory",
+        kv_cache_memory,
+        "--timeline",
+        str(trace),
+    ]
     logger.info("starting %s (log: %s)", mode.label, log_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    stack = RunningStack(mode, f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", proc,
-                         trace, log_path)  # fmt: skip
+    stack = RunningStack(
+        mode, f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", proc, trace, log_path
+    )
     try:
         wait_serving(stack.router, startup_timeout_s, proc)
     except BaseException:
         stack.stop()
-        logger.error("%s did not start; the end of %s:\n%s", mode.label, log_path,
-                     log_path.read_text()[-3000:])  # fmt: skip
+        logger.error(
+            "%s did not start; the end of %s:\n%s",
+            mode.label,
+            log_path,
+            log_path.read_text()[-3000:],
+        )
         raise
     return stack

@@ -8,8 +8,11 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default="localhost:50051",
-                        help="router address HOST:PORT (default: localhost:50051)")
+    parser.add_argument(
+        "--server",
+        default="localhost:50051",
+        help="router address HOST:PORT (default: localhost:50051)",
+    )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="plain-text prompt")
     prompt.add_argument("--chat", help="a user message, sent through the chat template")
@@ -19,19 +22,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None,
-                        help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--model", default=None, help="model name (default: the served one)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (text, token_ids, finish_reason, usage)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, finish_reason, usage)",
+    )
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
-              "ignore_eos": args.ignore_eos or None, "model": args.model}  # fmt: skip
+    kwargs = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos or None,
+        "model": args.model,
+    }
     if args.chat is not None:
         chat = [{"role": "system", "content": args.system}] if args.system else []
         kwargs["chat"] = [*chat, {"role": "user", "content": args.chat}]
@@ -60,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
                 last = delta
             sys.stdout.write("\n")
             if last is not None and last.usage:
-                print(f"[{last.finish_reason}; {last.usage['prompt_tokens']} prompt + "
-                      f"{last.usage['completion_tokens']} generated tokens]", file=sys.stderr)
+                print(
+                    f"[{last.finish_reason}; {last.usage['prompt_tokens']} prompt + "
+                    f"{last.usage['completion_tokens']} generated tokens]",
+                    file=sys.stderr,
+                )
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2

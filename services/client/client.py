@@ -24,8 +24,14 @@ from services.common.pb import FINISH_FROM_PB
 from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 _SAMPLING_FIELDS = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-_REQUEST_FIELDS = {"stop", "include_stop_str_in_output", "priority", "tenant", "request_id",
-                   "model"}  # fmt: skip
+_REQUEST_FIELDS = {
+    "stop",
+    "include_stop_str_in_output",
+    "priority",
+    "tenant",
+    "request_id",
+    "model",
+}
 
 
 @dataclass(slots=True)
@@ -52,12 +58,21 @@ class Result:
     usage: dict[str, int]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "usage": self.usage}  # fmt: skip
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+        }
 
 
-def build_request(prompt: str | None = None, chat: list[dict] | None = None,
-                  token_ids: list[int] | None = None, **kwargs: Any) -> generation_pb2.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    chat: list[dict] | None = None,
+    token_ids: list[int] | None = None,
+    **kwargs: Any,
+) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (one of prompt, chat, token_ids) and keywords."""
     if sum(p is not None for p in (prompt, chat, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, chat or token_ids")
@@ -74,20 +89,29 @@ def build_request(prompt: str | None = None, chat: list[dict] | None = None,
     elif token_ids is not None:
         msg.token_ids.ids.extend(token_ids)
     else:
-        msg.chat.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in chat)  # fmt: skip
+        msg.chat.messages.extend(
+            generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in chat
+        )
     return msg
 
 
 def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
     usage = None
     if msg.HasField("usage"):
-        usage = {"prompt_tokens": msg.usage.prompt_tokens,
-                 "completion_tokens": msg.usage.completion_tokens,
-                 "cached_tokens": msg.usage.cached_tokens}  # fmt: skip
-    return Delta(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
-                 offset=msg.offset, finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
-                 usage=usage, logprobs=list(msg.logprobs))  # fmt: skip
+        usage = {
+            "prompt_tokens": msg.usage.prompt_tokens,
+            "completion_tokens": msg.usage.completion_tokens,
+            "cached_tokens": msg.usage.cached_tokens,
+        }
+    return Delta(
+        request_id=msg.request_id,
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        offset=msg.offset,
+        finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
+        usage=usage,
+        logprobs=list(msg.logprobs),
+    )
 
 
 def collect(deltas) -> Result:
@@ -99,8 +123,13 @@ def collect(deltas) -> Result:
         last = delta
     if last is None:
         raise RuntimeError("the server closed the stream without a response")
-    return Result(request_id=last.request_id, text="".join(texts), token_ids=ids,
-                  finish_reason=last.finish_reason, usage=last.usage or {})  # fmt: skip
+    return Result(
+        request_id=last.request_id,
+        text="".join(texts),
+        token_ids=ids,
+        finish_reason=last.finish_reason,
+        usage=last.usage or {},
+    )
 
 
 class ConveyorClient:
@@ -120,11 +149,18 @@ class ConveyorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def generate(self, prompt: str | None = None, *, chat: list[dict] | None = None,
-                 token_ids: list[int] | None = None, **kwargs: Any) -> Iterator[Delta]:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        chat: list[dict] | None = None,
+        token_ids: list[int] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[Delta]:
         """Streams the output; closing the iterator early cancels the request."""
-        call = self._stub.Generate(build_request(prompt, chat, token_ids, **kwargs),
-                                   timeout=self.timeout_s)  # fmt: skip
+        call = self._stub.Generate(
+            build_request(prompt, chat, token_ids, **kwargs), timeout=self.timeout_s
+        )
         try:
             for msg in call:
                 yield delta_from_pb(msg)
@@ -165,11 +201,18 @@ class AsyncConveyorClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, prompt: str | None = None, *, chat: list[dict] | None = None,
-                       token_ids: list[int] | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        chat: list[dict] | None = None,
+        token_ids: list[int] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[Delta]:
         """Streams the output; leaving the loop early cancels the request."""
-        call = self._stub.Generate(build_request(prompt, chat, token_ids, **kwargs),
-                                   timeout=self.timeout_s)  # fmt: skip
+        call = self._stub.Generate(
+            build_request(prompt, chat, token_ids, **kwargs), timeout=self.timeout_s
+        )
         try:
             async for msg in call:
                 yield delta_from_pb(msg)
@@ -180,6 +223,7 @@ class AsyncConveyorClient:
         return collect([d async for d in self.generate(prompt, **kwargs)])
 
     async def list_models(self) -> list[dict[str, Any]]:
-        reply = await self._stub.ListModels(generation_pb2.ListModelsRequest(),
-                                            timeout=self.timeout_s)  # fmt: skip
+        reply = await self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=self.timeout_s
+        )
         return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def parse_cpu_list(text: str) -> list[int]:
-    """"0-3,8" -> [0, 1, 2, 3, 8] (the kernel's cpulist format); ConfigError when malformed."""
+    """ "0-3,8" -> [0, 1, 2, 3, 8] (the kernel's cpulist format); ConfigError when malformed."""
     cpus: set[int] = set()
     try:
         for part in text.split(","):
@@ -67,7 +67,9 @@ def default_threads(num_stages: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_stages)
 
 
-def stage_cpus(num_stages: int, threads: int, cpus: list[int] | None = None) -> list[list[int]] | None:
+def stage_cpus(
+    num_stages: int, threads: int, cpus: list[int] | None = None
+) -> list[list[int]] | None:
     """Disjoint core sets for `num_stages` workers of `threads` threads each, in stage order,
     or None when they do not fit on the available cores (then nothing is pinned)."""
     cpus = cpus if cpus is not None else available_cpus()

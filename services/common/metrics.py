@@ -34,14 +34,50 @@ logger = logging.getLogger(__name__)
 
 # 1 ms .. ~10 min: request latencies (TTFT, e2e, queue time, inter-token).
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
 # 50 us .. 10 s: one step of one stage, one Redis round trip.
 STEP_BUCKETS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -69,8 +105,9 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise ConfigError(f"--metrics-port={port}: cannot listen ({exc.strerror}); pick a free "
-                          "port") from exc  # fmt: skip
+        raise ConfigError(
+            f"--metrics-port={port}: cannot listen ({exc.strerror}); pick a free port"
+        ) from exc
     logger.info("metrics on http://%s:%d/metrics", host, port)
     return MetricsServer(registry, port, server)
 
@@ -81,30 +118,44 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str):
         labels = ["model_name"]
         self.ttft = Histogram(
-            "conveyor:time_to_first_token_seconds", "Time to first token.",
-            labels, registry=registry, buckets=LATENCY_BUCKETS,
-        ).labels(model_name)  # fmt: skip
+            "conveyor:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        ).labels(model_name)
         self.itl = Histogram(
             "conveyor:inter_token_latency_seconds",
             "Time between two outputs of one request (one observation per streamed delta).",
-            labels, registry=registry, buckets=LATENCY_BUCKETS,
-        ).labels(model_name)  # fmt: skip
+            labels,
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        ).labels(model_name)
         self.e2e = Histogram(
-            "conveyor:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-            labels, registry=registry, buckets=LATENCY_BUCKETS,
-        ).labels(model_name)  # fmt: skip
+            "conveyor:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            labels,
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        ).labels(model_name)
         self.prompt_tokens = Counter(
-            "conveyor:prompt_tokens", "Prompt tokens of finished requests.",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
+            "conveyor:prompt_tokens",
+            "Prompt tokens of finished requests.",
+            labels,
+            registry=registry,
+        ).labels(model_name)
         self.generation_tokens = Counter(
-            "conveyor:generation_tokens", "Output tokens streamed to clients.",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
+            "conveyor:generation_tokens",
+            "Output tokens streamed to clients.",
+            labels,
+            registry=registry,
+        ).labels(model_name)
         success = Counter(
-            "conveyor:request_success", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=registry,
-        )  # fmt: skip
+            "conveyor:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
 
 
@@ -115,12 +166,15 @@ class SchedulerMetrics:
         self.queue_time = Histogram(
             "conveyor:request_queue_time_seconds",
             "Time from arrival to the first step that schedules the request.",
-            registry=registry, buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self.redis_round_trip = Histogram(
-            "conveyor:redis_round_trip_seconds", "One Redis round trip (a pipelined step write).",
-            registry=registry, buckets=STEP_BUCKETS,
-        )  # fmt: skip
+            "conveyor:redis_round_trip_seconds",
+            "One Redis round trip (a pipelined step write).",
+            registry=registry,
+            buckets=STEP_BUCKETS,
+        )
 
 
 @dataclass(slots=True)
@@ -149,24 +203,37 @@ class SchedulerCollector(Collector):
         snap = self._snapshot()
         if snap is None:  # still waiting for the workers
             return
-        yield _gauge("conveyor:num_requests_running", "Requests in the running set.",
-                     snap.num_running)  # fmt: skip
-        yield _gauge("conveyor:num_requests_waiting", "Requests waiting (incl. preempted).",
-                     snap.num_waiting)  # fmt: skip
-        yield _gauge("conveyor:num_steps_inflight", "Micro-batches in the pipeline.",
-                     snap.num_inflight)  # fmt: skip
-        yield _gauge("conveyor:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                     snap.kv_usage)  # fmt: skip
-        yield _gauge("conveyor:kv_cache_free_blocks", "Free KV blocks (cached ones included).",
-                     snap.num_free_blocks)  # fmt: skip
-        yield _gauge("conveyor:kv_cache_cached_blocks", "Blocks in the prefix cache.",
-                     snap.num_cached_blocks)  # fmt: skip
-        yield _counter("conveyor:num_preemptions", "Preemptions (recompute).",
-                       snap.num_preemptions)  # fmt: skip
-        yield _counter("conveyor:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                       "cache.", snap.num_queried_tokens)  # fmt: skip
-        yield _counter("conveyor:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                       snap.num_hit_tokens)  # fmt: skip
+        yield _gauge(
+            "conveyor:num_requests_running", "Requests in the running set.", snap.num_running
+        )
+        yield _gauge(
+            "conveyor:num_requests_waiting", "Requests waiting (incl. preempted).", snap.num_waiting
+        )
+        yield _gauge(
+            "conveyor:num_steps_inflight", "Micro-batches in the pipeline.", snap.num_inflight
+        )
+        yield _gauge(
+            "conveyor:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", snap.kv_usage
+        )
+        yield _gauge(
+            "conveyor:kv_cache_free_blocks",
+            "Free KV blocks (cached ones included).",
+            snap.num_free_blocks,
+        )
+        yield _gauge(
+            "conveyor:kv_cache_cached_blocks", "Blocks in the prefix cache.", snap.num_cached_blocks
+        )
+        yield _counter("conveyor:num_preemptions", "Preemptions (recompute).", snap.num_preemptions)
+        yield _counter(
+            "conveyor:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            snap.num_queried_tokens,
+        )
+        yield _counter(
+            "conveyor:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            snap.num_hit_tokens,
+        )
         yield _counter("conveyor:scheduler_steps", "Steps planned.", snap.num_steps)
 
 
@@ -176,22 +243,33 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, stage: int):
         label = str(stage)
         self.step_time = Histogram(
-            "conveyor:stage_step_seconds", "Compute time of one step on one stage.",
-            ["stage"], registry=registry, buckets=STEP_BUCKETS,
-        ).labels(label)  # fmt: skip
+            "conveyor:stage_step_seconds",
+            "Compute time of one step on one stage.",
+            ["stage"],
+            registry=registry,
+            buckets=STEP_BUCKETS,
+        ).labels(label)
         self.wait_time = Histogram(
             "conveyor:stage_wait_seconds",
             "Time a step waited for activations or tokens from another stage.",
-            ["stage"], registry=registry, buckets=STEP_BUCKETS,
-        ).labels(label)  # fmt: skip
+            ["stage"],
+            registry=registry,
+            buckets=STEP_BUCKETS,
+        ).labels(label)
         self.batch_size = Histogram(
-            "conveyor:stage_batch_size", "Requests in one step.",
-            ["stage"], registry=registry, buckets=BATCH_BUCKETS,
-        ).labels(label)  # fmt: skip
+            "conveyor:stage_batch_size",
+            "Requests in one step.",
+            ["stage"],
+            registry=registry,
+            buckets=BATCH_BUCKETS,
+        ).labels(label)
         self.batch_tokens = Histogram(
-            "conveyor:stage_batch_tokens", "Tokens computed in one step.",
-            ["stage"], registry=registry, buckets=BATCH_BUCKETS,
-        ).labels(label)  # fmt: skip
+            "conveyor:stage_batch_tokens",
+            "Tokens computed in one step.",
+            ["stage"],
+            registry=registry,
+            buckets=BATCH_BUCKETS,
+        ).labels(label)
 
 
 class BubbleCollector(Collector):
@@ -209,7 +287,7 @@ class BubbleCollector(Collector):
             "conveyor:pipeline_bubble_fraction",
             "Idle fraction of the stage's wall time over its recorded steps (0-1).",
             labels=["stage"],
-        )  # fmt: skip
+        )
         family.add_metric([self._stage], value)
         yield family
 

@@ -29,15 +29,21 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
     import grpc_tools
     from grpc_tools import protoc
 
-    protos = [*sorted(PROTO_ROOT.glob("conveyor/v1/*.proto")),
-              *sorted(PROTO_ROOT.glob("inference/*.proto"))]
+    protos = [
+        *sorted(PROTO_ROOT.glob("conveyor/v1/*.proto")),
+        *sorted(PROTO_ROOT.glob("inference/*.proto")),
+    ]
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         args = [
-            "protoc", f"-I{PROTO_ROOT}", f"-I{include}",
-            f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
             *[str(p.relative_to(PROTO_ROOT)) for p in protos],
-        ]  # fmt: skip
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {[p.name for p in protos]}")
         written = []
@@ -45,10 +51,16 @@ def generate(out_dir: Path = OUT_DIR) -> list[Path]:
             rel = src.relative_to(tmp)
             dst = out_dir / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            text = re.sub(r"^from (conveyor\.v1|inference) import", rf"from {PACKAGE}.\1 import",
-                          src.read_text(), flags=re.M)  # fmt: skip
+            text = re.sub(
+                r"^from (conveyor\.v1|inference) import",
+                rf"from {PACKAGE}.\1 import",
+                src.read_text(),
+                flags=re.M,
+            )
             if rel.parts[0] == "inference":
-                text = text.replace("_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()")
+                text = text.replace(
+                    "_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()"
+                )
             dst.write_text(text)
             written.append(dst)
     for pkg in (out_dir, out_dir / "conveyor", out_dir / "conveyor" / "v1", out_dir / "inference"):

@@ -19,13 +19,24 @@ DEFAULT_WATCH_S = 2.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", required=True, help="the scheduler's gRPC address HOST:PORT")
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
-    parser.add_argument("--watch", type=float, nargs="?", const=DEFAULT_WATCH_S, default=None,
-                        metavar="SECONDS",
-                        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C")  # fmt: skip
-    parser.add_argument("--top", type=int, default=10,
-                        help="requests listed by blocks held (default: 10)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=10.0,
-                        help="seconds to wait for the scheduler (default: 10)")  # fmt: skip
+    parser.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=DEFAULT_WATCH_S,
+        default=None,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C",
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, help="requests listed by blocks held (default: 10)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the scheduler (default: 10)",
+    )
 
 
 def stats_to_dict(msg, top: int) -> dict:
@@ -59,20 +70,35 @@ def format_table(stats: dict) -> str:
     """A plain-text table of `stats_to_dict`'s numbers."""
     bubbles = "  ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(stats["bubble_fraction"]))
     rows = [
-        ("serving", f"{'yes' if stats['serving'] else 'no'} ({stats['scheduling']}, "
-                    f"{stats['num_stages']} stages)"),
-        ("requests", f"{stats['num_running']} running, {stats['num_waiting']} waiting, "
-                     f"{stats['num_preempted_total']} preemptions so far"),
-        ("steps", f"{stats['num_steps']} planned, {stats['num_inflight']} in flight, "
-                  f"{stats['mean_schedule_us']:.0f} us to plan one"),
-        ("KV blocks", f"{stats['num_used_blocks']} / {stats['num_blocks']} used "
-                      f"({stats['kv_usage']:.1%}), {stats['block_size']} tokens each"),
-        ("free blocks", f"{stats['num_free_blocks']} (of which {stats['num_cached_blocks']} "
-                        "hold cached prefixes)"),
+        (
+            "serving",
+            f"{'yes' if stats['serving'] else 'no'} ({stats['scheduling']}, "
+            f"{stats['num_stages']} stages)",
+        ),
+        (
+            "requests",
+            f"{stats['num_running']} running, {stats['num_waiting']} waiting, "
+            f"{stats['num_preempted_total']} preemptions so far",
+        ),
+        (
+            "steps",
+            f"{stats['num_steps']} planned, {stats['num_inflight']} in flight, "
+            f"{stats['mean_schedule_us']:.0f} us to plan one",
+        ),
+        (
+            "KV blocks",
+            f"{stats['num_used_blocks']} / {stats['num_blocks']} used "
+            f"({stats['kv_usage']:.1%}), {stats['block_size']} tokens each",
+        ),
+        (
+            "free blocks",
+            f"{stats['num_free_blocks']} (of which {stats['num_cached_blocks']} "
+            "hold cached prefixes)",
+        ),
         ("fragmentation", f"{stats['fragmentation']:.1%} of allocated slots empty"),
         ("prefix hit rate", f"{stats['prefix_cache_hit_rate']:.1%} of prompt tokens"),
         ("bubble", bubbles or "n/a"),
-    ]  # fmt: skip
+    ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     if stats["top_requests"]:

@@ -52,16 +52,22 @@ class Tracing:
     tracer: object
     provider: object
 
-    def start_span(self, name: str, traceparent: str | None = None,
-                   start_time: int | None = None, attributes: dict | None = None):  # fmt: skip
+    def start_span(
+        self,
+        name: str,
+        traceparent: str | None = None,
+        start_time: int | None = None,
+        attributes: dict | None = None,
+    ):
         """A started span, child of the span `traceparent` names (a root when None)."""
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         context = None
         if traceparent:
             context = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
-        return self.tracer.start_span(name, context=context, start_time=start_time,
-                                      attributes=attributes)  # fmt: skip
+        return self.tracer.start_span(
+            name, context=context, start_time=start_time, attributes=attributes
+        )
 
     @staticmethod
     def traceparent(span) -> str:
@@ -141,5 +147,5 @@ def span_to_dict(span) -> dict:
         "events": [
             {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes)}
             for e in span.events
-        ],  # fmt: skip
+        ],
     }

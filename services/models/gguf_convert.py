@@ -210,9 +210,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> None
     out_dir.mkdir(parents=True, exist_ok=True)
     special = write_tokenizer_files(reader, out_dir, hparams.max_position_embeddings)
     config = llama_config(
-        hparams, tie_word_embeddings=tie, bos_id=special.bos_id, eos_id=special.eos_id,
+        hparams,
+        tie_word_embeddings=tie,
+        bos_id=special.bos_id,
+        eos_id=special.eos_id,
         pad_id=special.pad_id,
-    )  # fmt: skip
+    )
     write_json(out_dir / "config.json", config)
     generation = {"bos_token_id": special.bos_id, "eos_token_id": special.eos_id}
     if special.pad_id is not None:

@@ -111,8 +111,12 @@ def tokenizer_config(special: SpecialTokens, chat_template: str | None, max_leng
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
     }
-    for name, token_id in (("bos", special.bos_id), ("eos", special.eos_id),
-                           ("pad", special.pad_id), ("unk", special.unk_id)):  # fmt: skip
+    for name, token_id in (
+        ("bos", special.bos_id),
+        ("eos", special.eos_id),
+        ("pad", special.pad_id),
+        ("unk", special.unk_id),
+    ):
         if token_id is not None:
             config[f"{name}_token"] = special.text(token_id)
     if chat_template:

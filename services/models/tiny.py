@@ -55,9 +55,11 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True) * 4, trainer=trainer)
     return tokenizer
 
@@ -90,8 +92,14 @@ def _random_weights(hparams: LlamaHParams, tie: bool, seed: int) -> dict[str, np
     return weights
 
 
-def _validate(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-              vocab_size: int, architecture: str) -> None:  # fmt: skip
+def _validate(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    vocab_size: int,
+    architecture: str,
+) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architecture {architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
     if num_layers < 1 or hidden_size < 1 or num_heads < 1 or num_kv_heads < 1:
@@ -142,27 +150,47 @@ def make_tiny_model(
     bos_id = tokenizer.token_to_id("<|im_start|>")
     pad_id = tokenizer.token_to_id("<|endoftext|>")
     hparams = LlamaHParams(
-        num_layers=num_layers, hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
-        rope_theta=10000.0, vocab_size=vocab_size,
-    )  # fmt: skip
-    config = llama_config(hparams, tie_word_embeddings=tie_word_embeddings, bos_id=bos_id,
-                          eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        vocab_size=vocab_size,
+    )
+    config = llama_config(
+        hparams,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
     config["architectures"] = [architecture]
     config["model_type"] = "mistral" if architecture == "MistralForCausalLM" else "llama"
     write_json(out / "config.json", config)
-    write_json(out / "generation_config.json",
-               {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id})  # fmt: skip
+    write_json(
+        out / "generation_config.json",
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+    )
     tokenizer.save(str(out / "tokenizer.json"))
-    write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
-        "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": max_position_embeddings, "bos_token": "<|im_start|>",
-        "eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
-    })  # fmt: skip
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_position_embeddings,
+            "bos_token": "<|im_start|>",
+            "eos_token": EOS_TOKEN,
+            "pad_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>",
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
     weights = _random_weights(hparams, tie_word_embeddings, seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)

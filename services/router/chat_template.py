@@ -31,8 +31,9 @@ def _raise_exception(message: str):
 
 def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson HTML-escapes '<', '>' and '&', which would change prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -132,9 +133,12 @@ def render_chat_template(
     variables = {**special_tokens, **kwargs}
     try:
         return template.render(
-            messages=_normalize_messages(messages), tools=tools, documents=None,
-            add_generation_prompt=add_generation_prompt, **variables,
-        )  # fmt: skip
+            messages=_normalize_messages(messages),
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequest(f"the model's chat template rejected the messages: {exc}") from exc
     except (TypeError, KeyError, AttributeError) as exc:

@@ -9,34 +9,58 @@ from services.router.config import DEFAULT_PORT
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, help="scheduler address HOST:PORT")
-    parser.add_argument("--model", required=True,
-                        help="Hugging Face model directory (tokenizer and config.json)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help=f"public gRPC port (default: {DEFAULT_PORT})")
+    parser.add_argument(
+        "--model", required=True, help="Hugging Face model directory (tokenizer and config.json)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"public gRPC port (default: {DEFAULT_PORT})"
+    )
     parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name clients use (default: the model directory's name)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context length (default: the model's max_position_embeddings)")
-    parser.add_argument("--resume-timeout", type=float, default=60.0,
-                        help="seconds a broken scheduler stream keeps trying to resume "
-                             "(default: 60)")  # fmt: skip
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
-                             "file:///PATH (JSON lines) (default: off)")  # fmt: skip
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the model directory's name)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a broken scheduler stream keeps trying to resume (default: 60)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
+        "file:///PATH (JSON lines) (default: off)",
+    )
 
 
 def build_config(args: argparse.Namespace):
     from services.router.config import RouterConfig
 
     return RouterConfig(
-        scheduler_address=args.scheduler, model_dir=args.model, port=args.port,
-        host=args.host, served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len, resume_timeout_s=args.resume_timeout,
-        metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint,
-    )  # fmt: skip
+        scheduler_address=args.scheduler,
+        model_dir=args.model,
+        port=args.port,
+        host=args.host,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        resume_timeout_s=args.resume_timeout,
+        metrics_port=args.metrics_port,
+        otlp_endpoint=args.otlp_endpoint,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,8 +48,9 @@ class RouterConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port={self.port} is out of range: must be in [1, 65535]")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
-            raise ConfigError(f"--metrics-port={self.metrics_port} is out of range: must be in "
-                              "[1, 65535]")  # fmt: skip
+            raise ConfigError(
+                f"--metrics-port={self.metrics_port} is out of range: must be in [1, 65535]"
+            )
         if self.otlp_endpoint:
             from services.common.telemetry import check_endpoint
 
@@ -80,6 +81,8 @@ class RouterConfig:
         if self.max_model_len is None:
             return model_max
         if self.max_model_len > model_max:
-            raise ConfigError(f"--max-model-len={self.max_model_len} exceeds the model's "
-                              f"max_position_embeddings={model_max}")  # fmt: skip
+            raise ConfigError(
+                f"--max-model-len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max}"
+            )
         return self.max_model_len

@@ -58,8 +58,9 @@ class RouterCore:
         is_upstream_done = False
         obs = None
         if self.metrics is not None or self.tracing is not None:
-            obs = RequestObservation(self.metrics, self.tracing, req.request_id,
-                                     len(req.prompt_ids))  # fmt: skip
+            obs = RequestObservation(
+                self.metrics, self.tracing, req.request_id, len(req.prompt_ids)
+            )
         ended_as = None  # finish reason of a request the client stopped waiting for
         try:
             stream = self.scheduler.stream(req, metadata=obs.metadata if obs else None)
@@ -72,8 +73,10 @@ class RouterCore:
                     if obs is not None:
                         obs.on_output(out)
                     if out.finish_reason == "error":
-                        raise RequestFailed(f"request {req.request_id} failed in the "
-                                            f"scheduler: {out.error or 'no reason given'}")  # fmt: skip
+                        raise RequestFailed(
+                            f"request {req.request_id} failed in the "
+                            f"scheduler: {out.error or 'no reason given'}"
+                        )
                     yield out
                     if out.finish_reason is not None:
                         return

@@ -48,8 +48,13 @@ class IncrementalDetokenizer:
     ) -> IncrementalDetokenizer:
         """A detokenizer whose first tokens decode in the context of the prompt's tail."""
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, ids=context,
-                   prefix_offset=0, read_offset=len(context))  # fmt: skip
+        return cls(
+            tokenizer=tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            ids=context,
+            prefix_offset=0,
+            read_offset=len(context),
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -43,16 +43,21 @@ def input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
 
 def output_to_pb(request_id: str, out: OutputDelta) -> generation_pb2.GenerateResponse:
     msg = generation_pb2.GenerateResponse(
-        request_id=request_id, text=out.text, token_ids=out.token_ids, offset=out.offset,
+        request_id=request_id,
+        text=out.text,
+        token_ids=out.token_ids,
+        offset=out.offset,
         finish_reason=FINISH_TO_PB[out.finish_reason],
         logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
-    )  # fmt: skip
+    )
     if out.usage is not None:
-        msg.usage.CopyFrom(generation_pb2.Usage(
-            prompt_tokens=out.usage.prompt_tokens,
-            completion_tokens=out.usage.completion_tokens,
-            cached_tokens=out.usage.cached_tokens,
-        ))  # fmt: skip
+        msg.usage.CopyFrom(
+            generation_pb2.Usage(
+                prompt_tokens=out.usage.prompt_tokens,
+                completion_tokens=out.usage.completion_tokens,
+                cached_tokens=out.usage.cached_tokens,
+            )
+        )
     return msg
 
 
@@ -78,14 +83,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling=SamplingParams(),
             text=request.text if which == "text" else None,
             chat=chat_from_pb(request.chat) if which == "chat" else None,
-        )  # fmt: skip
+        )
         token_ids, _ = tokenize_prompt(req, self.core.tokenizer)
-        return generation_pb2.TokenizeResponse(token_ids=token_ids,
-                                               max_model_len=self.core.limits.max_model_len)
+        return generation_pb2.TokenizeResponse(
+            token_ids=token_ids, max_model_len=self.core.limits.max_model_len
+        )
 
     @grpc_errors
     async def ListModels(self, request, context):
         limits = self.core.limits
-        return generation_pb2.ListModelsResponse(models=[
-            generation_pb2.ModelInfo(name=limits.name, max_model_len=limits.max_model_len)
-        ])  # fmt: skip
+        return generation_pb2.ListModelsResponse(
+            models=[generation_pb2.ModelInfo(name=limits.name, max_model_len=limits.max_model_len)]
+        )

@@ -33,8 +33,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _check_model(self, name: str) -> None:
         if name != self.core.limits.name:
-            raise ModelNotFound(f"model {name!r} is not served here: the served model is "
-                                f"{self.core.limits.name!r}")  # fmt: skip
+            raise ModelNotFound(
+                f"model {name!r} is not served here: the served model is {self.core.limits.name!r}"
+            )
 
     @grpc_errors
     async def ServerLive(self, request, context):
@@ -57,12 +58,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         self._check_model(request.name)
         return pb.ModelMetadataResponse(
-            name=self.core.limits.name, versions=["1"], platform="conveyor",
-            inputs=[_tensor("text_input", "BYTES"), _tensor("stream", "BOOL"),
-                    _tensor("sampling_parameters", "BYTES"),
-                    _tensor("exclude_input_in_output", "BOOL")],
+            name=self.core.limits.name,
+            versions=["1"],
+            platform="conveyor",
+            inputs=[
+                _tensor("text_input", "BYTES"),
+                _tensor("stream", "BOOL"),
+                _tensor("sampling_parameters", "BYTES"),
+                _tensor("exclude_input_in_output", "BOOL"),
+            ],
             outputs=[_tensor("text_output", "BYTES")],
-        )  # fmt: skip
+        )
 
     @grpc_errors
     async def ModelInfer(self, request, context):
@@ -110,8 +116,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 await queue.put(pb.ModelStreamInferResponse(infer_response=response))
         except Exception as exc:  # noqa: BLE001 - an error ends this request, not the stream
             failed = _mark(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True)
-            await queue.put(pb.ModelStreamInferResponse(error_message=message_for(exc),
-                                                        infer_response=failed))  # fmt: skip
+            await queue.put(
+                pb.ModelStreamInferResponse(error_message=message_for(exc), infer_response=failed)
+            )
         finally:
             await queue.put(_DONE)
 
@@ -119,8 +126,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._check_model(msg.model_name)
         decoded: KServeRequest = request_from_pb(msg)
         prepared = self.core.prepare(decoded.generate)
-        wants_empty_final = (_WANTS_EMPTY_FINAL in msg.parameters
-                             and msg.parameters[_WANTS_EMPTY_FINAL].bool_param)  # fmt: skip
+        wants_empty_final = (
+            _WANTS_EMPTY_FINAL in msg.parameters and msg.parameters[_WANTS_EMPTY_FINAL].bool_param
+        )
         name = self.core.limits.name
         if not decoded.is_stream:  # one response; the prompt is prepended unless excluded
             text, _ = await self.core.collect(prepared)

@@ -20,15 +20,26 @@ from services.common.sampling import SamplingParams
 from services.router.request import GenerateInput
 
 _FIXED = {  # datatype -> (struct code, InferTensorContents field)
-    "BOOL": ("?", "bool_contents"), "INT8": ("b", "int_contents"),
-    "INT16": ("h", "int_contents"), "INT32": ("i", "int_contents"),
-    "INT64": ("q", "int64_contents"), "UINT8": ("B", "uint_contents"),
-    "UINT16": ("H", "uint_contents"), "UINT32": ("I", "uint_contents"),
-    "UINT64": ("Q", "uint64_contents"), "FP32": ("f", "fp32_contents"),
+    "BOOL": ("?", "bool_contents"),
+    "INT8": ("b", "int_contents"),
+    "INT16": ("h", "int_contents"),
+    "INT32": ("i", "int_contents"),
+    "INT64": ("q", "int64_contents"),
+    "UINT8": ("B", "uint_contents"),
+    "UINT16": ("H", "uint_contents"),
+    "UINT32": ("I", "uint_contents"),
+    "UINT64": ("Q", "uint64_contents"),
+    "FP32": ("f", "fp32_contents"),
     "FP64": ("d", "fp64_contents"),
-}  # fmt: skip
-_FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-               "frequency_penalty")  # fmt: skip
+}
+_FLOAT_KEYS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 _INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
 _BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output")
 SAMPLING_KEYS = (*_FLOAT_KEYS, *_INT_KEYS, *_BOOL_KEYS, "stop", "stop_token_ids", "n")
@@ -68,15 +79,19 @@ def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
     if datatype == "BYTES":
         return decode_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
     if datatype not in _FIXED:
-        raise InvalidRequest(f"input {tensor.name!r} has datatype {datatype!r}: allowed are "
-                             f"BYTES, {', '.join(_FIXED)}")  # fmt: skip
+        raise InvalidRequest(
+            f"input {tensor.name!r} has datatype {datatype!r}: allowed are "
+            f"BYTES, {', '.join(_FIXED)}"
+        )
     code, field_name = _FIXED[datatype]
     if raw is None:
         return list(getattr(tensor.contents, field_name))
     size = struct.calcsize(code)
     if len(raw) % size:
-        raise InvalidRequest(f"input {tensor.name!r}: {len(raw)} raw bytes is not a whole "
-                             f"number of {datatype} elements")  # fmt: skip
+        raise InvalidRequest(
+            f"input {tensor.name!r}: {len(raw)} raw bytes is not a whole "
+            f"number of {datatype} elements"
+        )
     return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
 
 
@@ -84,14 +99,18 @@ def decode_inputs(msg: pb.ModelInferRequest) -> dict[str, Any]:
     """name -> the single element of each input tensor."""
     raws = list(msg.raw_input_contents)
     if raws and len(raws) != len(msg.inputs):
-        raise InvalidRequest(f"raw_input_contents has {len(raws)} entries for "
-                             f"{len(msg.inputs)} inputs: give one per input")  # fmt: skip
+        raise InvalidRequest(
+            f"raw_input_contents has {len(raws)} entries for "
+            f"{len(msg.inputs)} inputs: give one per input"
+        )
     values: dict[str, Any] = {}
     for index, tensor in enumerate(msg.inputs):
         elements = _tensor_values(tensor, raws[index] if raws else None)
         if len(elements) != 1:
-            raise InvalidRequest(f"input {tensor.name!r} has {len(elements)} elements: "
-                                 "give exactly one (batching is not supported)")  # fmt: skip
+            raise InvalidRequest(
+                f"input {tensor.name!r} has {len(elements)} elements: "
+                "give exactly one (batching is not supported)"
+            )
         values[tensor.name] = elements[0]
     return values
 
@@ -133,11 +152,15 @@ def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequest("sampling_parameters must be a JSON object")
     unknown = [k for k in options if k not in SAMPLING_KEYS]
     if unknown:
-        raise InvalidRequest(f"sampling_parameters.{unknown[0]} is not supported: allowed "
-                             f"keys are {', '.join(SAMPLING_KEYS)}")  # fmt: skip
+        raise InvalidRequest(
+            f"sampling_parameters.{unknown[0]} is not supported: allowed "
+            f"keys are {', '.join(SAMPLING_KEYS)}"
+        )
     for key in SAMPLING_KEYS:
         if key in values:
-            options[key] = _text(values[key], key) if isinstance(values[key], bytes) else values[key]
+            options[key] = (
+                _text(values[key], key) if isinstance(values[key], bytes) else values[key]
+            )
     return {key: _convert(key, value) for key, value in options.items()}
 
 
@@ -146,8 +169,10 @@ def request_from_pb(msg: pb.ModelInferRequest) -> KServeRequest:
     values = decode_inputs(msg)
     unknown = [name for name in values if name not in INPUT_NAMES and name not in SAMPLING_KEYS]
     if unknown:
-        raise InvalidRequest(f"input {unknown[0]!r} is not supported: inputs are "
-                             f"{', '.join(INPUT_NAMES)} (and sampling keys)")  # fmt: skip
+        raise InvalidRequest(
+            f"input {unknown[0]!r} is not supported: inputs are "
+            f"{', '.join(INPUT_NAMES)} (and sampling keys)"
+        )
     if "text_input" not in values:
         raise InvalidRequest("input 'text_input' (BYTES) is missing: it holds the prompt")
     options = sampling_options(values)
@@ -157,9 +182,12 @@ def request_from_pb(msg: pb.ModelInferRequest) -> KServeRequest:
     include_stop = options.pop("include_stop_str_in_output", False)
     exclude = values.get("exclude_input_in_output")
     return KServeRequest(
-        generate=GenerateInput(sampling=SamplingParams(**options),
-                               text=_text(values["text_input"], "text_input"), stop=stop,
-                               include_stop_str_in_output=include_stop),  # fmt: skip
+        generate=GenerateInput(
+            sampling=SamplingParams(**options),
+            text=_text(values["text_input"], "text_input"),
+            stop=stop,
+            include_stop_str_in_output=include_stop,
+        ),
         is_stream=bool(values.get("stream", False)),
         exclude_input_in_output=None if exclude is None else bool(exclude),
     )
@@ -168,8 +196,11 @@ def request_from_pb(msg: pb.ModelInferRequest) -> KServeRequest:
 def text_response(model_name: str, request_id: str, text: str) -> pb.ModelInferResponse:
     """A response whose `text_output` BYTES tensor holds `text`."""
     return pb.ModelInferResponse(
-        model_name=model_name, model_version="1", id=request_id,
-        outputs=[pb.ModelInferResponse.InferOutputTensor(name="text_output", datatype="BYTES",
-                                                         shape=[1])],
+        model_name=model_name,
+        model_version="1",
+        id=request_id,
+        outputs=[
+            pb.ModelInferResponse.InferOutputTensor(name="text_output", datatype="BYTES", shape=[1])
+        ],
         raw_output_contents=[encode_bytes([text.encode("utf-8")])],
-    )  # fmt: skip
+    )

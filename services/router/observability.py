@@ -23,8 +23,13 @@ logger = logging.getLogger(__name__)
 class RequestObservation:
     """One request's timings and span."""
 
-    def __init__(self, metrics: RouterMetrics | None, tracing: Tracing | None,
-                 request_id: str, num_prompt_tokens: int):  # fmt: skip
+    def __init__(
+        self,
+        metrics: RouterMetrics | None,
+        tracing: Tracing | None,
+        request_id: str,
+        num_prompt_tokens: int,
+    ):
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0
@@ -37,9 +42,11 @@ class RequestObservation:
         if tracing is not None:
             self._span = tracing.start_span(
                 "conveyor.router.generate",
-                attributes={"conveyor.request_id": request_id,
-                            "conveyor.num_prompt_tokens": num_prompt_tokens},
-            )  # fmt: skip
+                attributes={
+                    "conveyor.request_id": request_id,
+                    "conveyor.num_prompt_tokens": num_prompt_tokens,
+                },
+            )
             self.metadata = (("traceparent", tracing.traceparent(self._span)),)
 
     def on_output(self, out: OutputDelta) -> None:

@@ -99,8 +99,13 @@ class OutputBuilder:
             finish = "stop" if self.matcher.is_stopped else finish
         if finish is None and not token_ids:
             return None
-        out = OutputDelta(text="".join(texts), token_ids=token_ids, offset=offset,
-                          logprobs=logprobs, finish_reason=finish)  # fmt: skip
+        out = OutputDelta(
+            text="".join(texts),
+            token_ids=token_ids,
+            offset=offset,
+            logprobs=logprobs,
+            finish_reason=finish,
+        )
         if finish is not None:
             self.is_finished = True
             out.error = delta.error

@@ -74,8 +74,10 @@ class PreparedRequest:
 def check_model(model: str, limits: ModelLimits) -> None:
     """Raises InvalidRequest unless `model` is empty or the served model's name."""
     if model and model != limits.name:
-        raise InvalidRequest(f"model={model!r} is not served here: the served model is "
-                             f"{limits.name!r} (or leave model empty)")  # fmt: skip
+        raise InvalidRequest(
+            f"model={model!r} is not served here: the served model is "
+            f"{limits.name!r} (or leave model empty)"
+        )
 
 
 def tokenize_prompt(req: GenerateInput, tokenizer: Tokenizer) -> tuple[list[int], str]:
@@ -100,8 +102,10 @@ def _check_token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
     vocab = tokenizer.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise InvalidRequest(f"token_ids contains {bad[0]}, out of range: ids must be in "
-                             f"[0, {vocab - 1}] (the tokenizer's vocabulary)")  # fmt: skip
+        raise InvalidRequest(
+            f"token_ids contains {bad[0]}, out of range: ids must be in "
+            f"[0, {vocab - 1}] (the tokenizer's vocabulary)"
+        )
     return list(ids)
 
 
@@ -110,21 +114,26 @@ def _check_chat(chat: list[ChatTurn]) -> list[dict]:
         raise InvalidRequest("chat.messages is empty: a chat needs at least one message")
     for index, turn in enumerate(chat):
         if turn.role not in CHAT_ROLES:
-            raise InvalidRequest(f"chat.messages[{index}].role={turn.role!r} is not allowed: "
-                                 f"must be one of {', '.join(CHAT_ROLES)}")  # fmt: skip
+            raise InvalidRequest(
+                f"chat.messages[{index}].role={turn.role!r} is not allowed: "
+                f"must be one of {', '.join(CHAT_ROLES)}"
+            )
     return [{"role": t.role, "content": t.content} for t in chat]
 
 
 def _check_stop(stop: list[str], limits: ModelLimits) -> None:
     if len(stop) > limits.max_stop_strings:
-        raise InvalidRequest(f"stop has {len(stop)} strings, too many: at most "
-                             f"{limits.max_stop_strings}")  # fmt: skip
+        raise InvalidRequest(
+            f"stop has {len(stop)} strings, too many: at most {limits.max_stop_strings}"
+        )
     for index, text in enumerate(stop):
         if not text:
             raise InvalidRequest(f"stop[{index}] is empty: stop strings need >= 1 character")
         if len(text) > limits.max_stop_string_chars:
-            raise InvalidRequest(f"stop[{index}] has {len(text)} characters, too long: at most "
-                                 f"{limits.max_stop_string_chars}")  # fmt: skip
+            raise InvalidRequest(
+                f"stop[{index}] has {len(text)} characters, too long: at most "
+                f"{limits.max_stop_string_chars}"
+            )
 
 
 def prepare(req: GenerateInput, tokenizer: Tokenizer, limits: ModelLimits) -> PreparedRequest:
@@ -136,14 +145,18 @@ def prepare(req: GenerateInput, tokenizer: Tokenizer, limits: ModelLimits) -> Pr
     """
     check_model(req.model, limits)
     if req.request_id and not _REQUEST_ID.match(req.request_id):
-        raise InvalidRequest(f"request_id={req.request_id[:140]!r} is not allowed: use 1 to 128 "
-                             "letters, digits, '-', '_', '.' or ':'")  # fmt: skip
+        raise InvalidRequest(
+            f"request_id={req.request_id[:140]!r} is not allowed: use 1 to 128 "
+            "letters, digits, '-', '_', '.' or ':'"
+        )
     _check_stop(req.stop, limits)
     prompt_ids, prompt_text = tokenize_prompt(req, tokenizer)
     num_prompt, max_tokens = len(prompt_ids), req.sampling.max_tokens
     if num_prompt >= limits.max_model_len:
-        raise PromptTooLong(f"prompt has {num_prompt} tokens, too long: the model's context "
-                            f"length is {limits.max_model_len} (prompt + max_tokens)")  # fmt: skip
+        raise PromptTooLong(
+            f"prompt has {num_prompt} tokens, too long: the model's context "
+            f"length is {limits.max_model_len} (prompt + max_tokens)"
+        )
     if num_prompt + max_tokens > limits.max_model_len:
         raise PromptTooLong(
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "

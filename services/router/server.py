@@ -34,8 +34,13 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     reflection gets a pool of its own holding copies of all the files.
     """
     pool = descriptor_pool.DescriptorPool()
-    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR, common_pb2.DESCRIPTOR,
-                 generation_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR):  # dependencies first
+    for file in (
+        health_pb2.DESCRIPTOR,
+        reflection_pb2.DESCRIPTOR,
+        common_pb2.DESCRIPTOR,
+        generation_pb2.DESCRIPTOR,
+        kserve_pb2.DESCRIPTOR,
+    ):  # dependencies first
         proto = descriptor_pb2.FileDescriptorProto()
         file.CopyToProto(proto)
         pool.Add(proto)
@@ -49,21 +54,30 @@ async def watch_scheduler(core: RouterCore, health_servicer, interval_s: float) 
         is_serving = await core.scheduler.is_serving(timeout_s=max(interval_s, 1.0))
         core.is_ready = is_serving
         if is_serving != was_serving:
-            status = (health_pb2.HealthCheckResponse.SERVING if is_serving
-                      else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if is_serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", *PUBLIC_SERVICES):
                 await health_servicer.set(name, status)
-            logger.info("scheduler %s is %s", core.scheduler.address,
-                        "SERVING" if is_serving else "not serving")  # fmt: skip
+            logger.info(
+                "scheduler %s is %s",
+                core.scheduler.address,
+                "SERVING" if is_serving else "not serving",
+            )
             was_serving = is_serving
         await asyncio.sleep(interval_s)
 
 
 def build_core(config: RouterConfig) -> RouterCore:
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    limits = ModelLimits(name=config.model_name, max_model_len=config.context_length(),
-                         max_stop_strings=config.max_stop_strings,
-                         max_stop_string_chars=config.max_stop_string_chars)  # fmt: skip
+    limits = ModelLimits(
+        name=config.model_name,
+        max_model_len=config.context_length(),
+        max_stop_strings=config.max_stop_strings,
+        max_stop_string_chars=config.max_stop_string_chars,
+    )
     scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s)
     return RouterCore(tokenizer=tokenizer, limits=limits, scheduler=scheduler)
 
@@ -76,18 +90,24 @@ async def serve(config: RouterConfig) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        generation.GenerationServicer(core), server)
+        generation.GenerationServicer(core), server
+    )
     kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(core), server)
     reflection.enable_server_reflection(
-        [*PUBLIC_SERVICES, HEALTH_SERVICE, reflection.SERVICE_NAME], server,
-        pool=reflection_pool())  # fmt: skip
+        [*PUBLIC_SERVICES, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=reflection_pool()
+    )
     for name in ("", *PUBLIC_SERVICES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    logger.info("router on port %d serving %s (context %d) via scheduler %s", config.port,
-                core.limits.name, core.limits.max_model_len, config.scheduler_address)  # fmt: skip
+    logger.info(
+        "router on port %d serving %s (context %d) via scheduler %s",
+        config.port,
+        core.limits.name,
+        core.limits.max_model_len,
+        config.scheduler_address,
+    )
     watcher = asyncio.create_task(watch_scheduler(core, health_servicer, config.health_interval_s))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -89,8 +89,11 @@ class Tokenizer:
             raise ModelLoadError(f"{path} is not a valid tokenizer.json: {exc}") from exc
         config = _read_json(model_dir / "tokenizer_config.json")
         generation = _read_json(model_dir / "generation_config.json")
-        special = {key: text for key in _SPECIAL_TOKEN_KEYS
-                   if (text := _token_text(config.get(key))) is not None}  # fmt: skip
+        special = {
+            key: text
+            for key in _SPECIAL_TOKEN_KEYS
+            if (text := _token_text(config.get(key))) is not None
+        }
         eos_ids = _as_id_list(generation.get("eos_token_id"))
         if not eos_ids and "eos_token" in special:
             eos_ids = _as_id_list(backend.token_to_id(special["eos_token"]))
@@ -106,10 +109,15 @@ class Tokenizer:
             for token_id, added in backend.get_added_tokens_decoder().items()
             if added.special
         )
-        return cls(backend=backend, special_tokens=special, eos_token_ids=eos_ids,
-                   bos_token_id=None if bos_id is None else int(bos_id),
-                   chat_template=template if isinstance(template, str) else None,
-                   model_dir=model_dir, _special_ids=special_ids)  # fmt: skip
+        return cls(
+            backend=backend,
+            special_tokens=special,
+            eos_token_ids=eos_ids,
+            bos_token_id=None if bos_id is None else int(bos_id),
+            chat_template=template if isinstance(template, str) else None,
+            model_dir=model_dir,
+            _special_ids=special_ids,
+        )
 
     @property
     def eos_token_id(self) -> int | None:
@@ -151,5 +159,10 @@ class Tokenizer:
                 f"model {self.model_dir} has no chat template (tokenizer_config.json "
                 "'chat_template' or chat_template.jinja); send a plain prompt instead"
             )
-        return render_chat_template(self.chat_template, messages, self.special_tokens,
-                                    add_generation_prompt=add_generation_prompt, **kwargs)  # fmt: skip
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )

@@ -22,7 +22,7 @@ from services.common.errors import (
     PipelineUnavailable,
     QueueFull,
     UnknownRequest,
-)  # fmt: skip
+)
 from services.common.pb import FINISH_FROM_PB, logprobs_from_pb, sampling_to_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.router.errors import RequestExists, RequestFailed
@@ -44,14 +44,19 @@ def scheduler_error(exc: grpc.aio.AioRpcError) -> ConveyorError:
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return QueueFull(f"{details} (the scheduler's queue is full: retry with backoff, "
-                         "or raise the scheduler's --max-waiting)")  # fmt: skip
+        return QueueFull(
+            f"{details} (the scheduler's queue is full: retry with backoff, "
+            "or raise the scheduler's --max-waiting)"
+        )
     if code is grpc.StatusCode.UNAVAILABLE:
-        return PipelineUnavailable(f"the scheduler cannot serve now: {details} (retry when "
-                                   "`conveyor health` reports SERVING)")  # fmt: skip
+        return PipelineUnavailable(
+            f"the scheduler cannot serve now: {details} (retry when "
+            "`conveyor health` reports SERVING)"
+        )
     if code is grpc.StatusCode.ALREADY_EXISTS:
-        return RequestExists(f"{details} (request ids must be unique; leave it empty to "
-                             "have one generated)")  # fmt: skip
+        return RequestExists(
+            f"{details} (request ids must be unique; leave it empty to have one generated)"
+        )
     if code is grpc.StatusCode.NOT_FOUND:
         return UnknownRequest(details)
     return RequestFailed(f"the scheduler answered {code.name}: {details}")
@@ -97,22 +102,28 @@ class SchedulerClient:
     async def abort(self, request_id: str) -> bool:
         """Aborts a request; False (logged) when the scheduler could not be told."""
         try:
-            reply = await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id),
-                                           timeout=5.0)  # fmt: skip
+            reply = await self._stub.Abort(
+                scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
+            )
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort of %s failed: %s", request_id, exc.code().name)
             return False
         return reply.aborted
 
-    async def stream(self, req: PreparedRequest,
-                     metadata: tuple[tuple[str, str], ...] | None = None,
-                     ) -> AsyncIterator[SchedulerDelta]:  # fmt: skip
+    async def stream(
+        self,
+        req: PreparedRequest,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> AsyncIterator[SchedulerDelta]:
         """Submits `req` and yields its deltas until one carries a finish reason.
         `metadata` goes with the Submit call (the W3C traceparent when tracing)."""
         submit = scheduler_pb2.SubmitRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_ids,
-            sampling=sampling_to_pb(req.sampling), priority=req.priority, tenant=req.tenant,
-        )  # fmt: skip
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_ids,
+            sampling=sampling_to_pb(req.sampling),
+            priority=req.priority,
+            tenant=req.tenant,
+        )
         call = self._stub.Submit(submit, metadata=metadata)
         pending = None  # a message the resume already read from `call`
         next_offset, has_output = 0, False
@@ -136,8 +147,7 @@ class SchedulerClient:
                     ):
                         raise scheduler_error(exc) from exc
                     call.cancel()
-                    call, pending = await self._resume(req.request_id, next_offset, exc,
-                                                       has_output)  # fmt: skip
+                    call, pending = await self._resume(req.request_id, next_offset, exc, has_output)
         finally:
             call.cancel()
 
@@ -148,8 +158,9 @@ class SchedulerClient:
         delay = 0.1
         logger.info("stream of %s broke at offset %d; resuming", request_id, offset)
         while True:
-            call = self._stub.Resume(scheduler_pb2.ResumeRequest(request_id=request_id,
-                                                                 from_offset=offset))  # fmt: skip
+            call = self._stub.Resume(
+                scheduler_pb2.ResumeRequest(request_id=request_id, from_offset=offset)
+            )
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as exc:

@@ -46,18 +46,31 @@ class EventTrace:
         self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - long-lived
 
     def transition(self, request_id: str, old: str | None, new: str, step: int | None) -> None:
-        self._write({"event": "transition", "request_id": request_id, "from": old, "to": new,
-                     "step": step, "time": time.time()})  # fmt: skip
+        self._write(
+            {
+                "event": "transition",
+                "request_id": request_id,
+                "from": old,
+                "to": new,
+                "step": step,
+                "time": time.time(),
+            }
+        )
 
     def plan(self, plan: StepPlan) -> None:
         entries = (*plan.new_requests, *plan.cached_requests)
-        self._write({
-            "event": "step", "step_id": plan.step_id,
-            "request_ids": [r.request_id for r in entries],
-            "num_tokens": [r.num_scheduled_tokens for r in entries],
-            "num_new": len(plan.new_requests), "num_cached": len(plan.cached_requests),
-            "num_finished": len(plan.finished_request_ids), "time": time.time(),
-        })  # fmt: skip
+        self._write(
+            {
+                "event": "step",
+                "step_id": plan.step_id,
+                "request_ids": [r.request_id for r in entries],
+                "num_tokens": [r.num_scheduled_tokens for r in entries],
+                "num_new": len(plan.new_requests),
+                "num_cached": len(plan.cached_requests),
+                "num_finished": len(plan.finished_request_ids),
+                "time": time.time(),
+            }
+        )
 
     def close(self) -> None:
         self._file.close()
@@ -75,10 +88,13 @@ class RequestSpans:
 
     def start(self, request: Request, traceparent: str | None) -> None:
         span = self.tracing.start_span(
-            "conveyor.scheduler.request", traceparent,
-            attributes={"conveyor.request_id": request.request_id,
-                        "conveyor.num_prompt_tokens": request.num_prompt_tokens},
-        )  # fmt: skip
+            "conveyor.scheduler.request",
+            traceparent,
+            attributes={
+                "conveyor.request_id": request.request_id,
+                "conveyor.num_prompt_tokens": request.num_prompt_tokens,
+            },
+        )
         own = self.tracing.traceparent(span)
         queue = self.tracing.start_span("conveyor.scheduler.queue", own)
         self._spans[request.request_id] = (span, queue, own)
@@ -95,8 +111,13 @@ class RequestSpans:
             if queue is not None:
                 queue.end()
                 self._spans[entry.request_id] = (span, None, own)
-            span.add_event("step", {"conveyor.step_id": plan.step_id,
-                                    "conveyor.num_tokens": entry.num_scheduled_tokens})  # fmt: skip
+            span.add_event(
+                "step",
+                {
+                    "conveyor.step_id": plan.step_id,
+                    "conveyor.num_tokens": entry.num_scheduled_tokens,
+                },
+            )
             parent = parent or own
         return parent
 
@@ -127,8 +148,12 @@ class RequestSpans:
 class SchedulerObserver:
     """Fans the service's hooks out to whichever of trace / spans / metrics are on."""
 
-    def __init__(self, events: EventTrace | None = None, spans: RequestSpans | None = None,
-                 metrics: SchedulerMetrics | None = None):  # fmt: skip
+    def __init__(
+        self,
+        events: EventTrace | None = None,
+        spans: RequestSpans | None = None,
+        metrics: SchedulerMetrics | None = None,
+    ):
         self.events, self.spans, self.metrics = events, spans, metrics
         self.step: int | None = None
         self._status: dict[str, str] = {}  # last state seen per unfinished request
@@ -191,16 +216,26 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
     else:
         return None
     return SchedulerSnapshot(
-        num_running=len(core.running), num_waiting=core.num_waiting,
-        num_preemptions=core.num_preemptions, num_steps=service.counters.num_steps,
-        num_inflight=service.inflight, kv_usage=stats.usage,
-        num_free_blocks=stats.num_free_blocks, num_cached_blocks=stats.num_cached_blocks,
-        num_queried_tokens=bm.num_queried_tokens, num_hit_tokens=bm.num_hit_tokens,
-    )  # fmt: skip
+        num_running=len(core.running),
+        num_waiting=core.num_waiting,
+        num_preemptions=core.num_preemptions,
+        num_steps=service.counters.num_steps,
+        num_inflight=service.inflight,
+        kv_usage=stats.usage,
+        num_free_blocks=stats.num_free_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_queried_tokens=bm.num_queried_tokens,
+        num_hit_tokens=bm.num_hit_tokens,
+    )
 
 
-def install(service: SchedulerService, store, metrics_port: int | None,
-            otlp_endpoint: str | None, trace_path: str | None):  # fmt: skip
+def install(
+    service: SchedulerService,
+    store,
+    metrics_port: int | None,
+    otlp_endpoint: str | None,
+    trace_path: str | None,
+):
     """Builds what the flags ask for and hooks it into `service` and `store`; returns a
     function that stops it all (flushes spans, closes the metrics endpoint). With every
     flag off it installs nothing and `service.observer` stays None."""

@@ -21,15 +21,21 @@ from services.scheduler.state import TokenDelta
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-_FINISHED_STATES = {"finished_stopped": "stop", "finished_length": "length",
-                    "finished_aborted": "abort", "failed": "error"}  # fmt: skip
+_FINISHED_STATES = {
+    "finished_stopped": "stop",
+    "finished_length": "length",
+    "finished_aborted": "abort",
+    "failed": "error",
+}
 
 
 def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
     msg = scheduler_pb2.TokenDelta(
-        request_id=delta.request_id, offset=delta.offset, token_ids=delta.token_ids,
+        request_id=delta.request_id,
+        offset=delta.offset,
+        token_ids=delta.token_ids,
         finish_reason=FINISH_TO_PB[delta.finish_reason],
-    )  # fmt: skip
+    )
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)
     return msg
@@ -46,10 +52,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if self.service.observer is not None:
                 traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
             queue = self.service.submit(
-                request.request_id, list(request.prompt_token_ids), sampling,
-                priority=request.priority, tenant=request.tenant, weight=request.weight,
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling,
+                priority=request.priority,
+                tenant=request.tenant,
+                weight=request.weight,
                 traceparent=traceparent,
-            )  # fmt: skip
+            )
         except ConveyorError as exc:
             await abort_with(context, exc)
         try:
@@ -115,9 +125,11 @@ async def stats_to_pb(
     service: SchedulerService, reset_timelines: bool = False
 ) -> scheduler_pb2.SchedulerStats:
     msg = scheduler_pb2.SchedulerStats(
-        num_stages=len(service.pipeline.addresses), serving=service.serving,
-        scheduling=service.options.scheduling, num_steps=service.counters.num_steps,
-    )  # fmt: skip
+        num_stages=len(service.pipeline.addresses),
+        serving=service.serving,
+        scheduling=service.options.scheduling,
+        num_steps=service.counters.num_steps,
+    )
     core = service.scheduler
     if core is None:
         return msg
@@ -166,9 +178,13 @@ async def serve(args, options: ServiceOptions) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
     reflection.enable_server_reflection(
-        [SERVICE_NAME, reflection.SERVICE_NAME,
-         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server,
-    )  # fmt: skip
+        [
+            SERVICE_NAME,
+            reflection.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ],
+        server,
+    )
     server.add_insecure_port(f"{args.host}:{args.port}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -176,8 +192,11 @@ async def serve(args, options: ServiceOptions) -> None:
     await server.start()
 
     def on_serving_change(serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(health_servicer.set(name, status))
 
@@ -188,8 +207,9 @@ async def serve(args, options: ServiceOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     starter = asyncio.create_task(service.start())
-    await asyncio.wait({starter, asyncio.ensure_future(stop.wait())},
-                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    await asyncio.wait(
+        {starter, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
     if starter.done() and starter.exception():
         raise starter.exception()
     await stop.wait()

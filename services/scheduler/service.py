@@ -150,9 +150,15 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        priority: int = 0, tenant: str = "", weight: float = 0.0, traceparent: str | None = None,
-    ) -> asyncio.Queue:  # fmt: skip
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        tenant: str = "",
+        weight: float = 0.0,
+        traceparent: str | None = None,
+    ) -> asyncio.Queue:
         """Queues a request; returns the queue its deltas arrive on. Raises the core's
         errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError). `traceparent`
         (W3C) names the router's span, the parent of this request's span."""
@@ -163,9 +169,14 @@ class SchedulerService:
             sampling.seed = random.getrandbits(63)
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
         request = Request(
-            request_id, list(prompt_token_ids), sampling, priority=priority,
-            tenant=tenant or "default", weight=weight or 1.0, eos_token_id=eos,
-        )  # fmt: skip
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            priority=priority,
+            tenant=tenant or "default",
+            weight=weight or 1.0,
+            eos_token_id=eos,
+        )
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add_request(request)
         if self.observer is not None:

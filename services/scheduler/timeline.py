@@ -16,15 +16,31 @@ def chrome_trace_events(timelines) -> list[dict]:
     t0 = min((s.start_ns for t in timelines for s in t.steps), default=0)
     for timeline in timelines:
         tid = timeline.stage
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
-                       "args": {"name": f"stage {tid}"}})  # fmt: skip
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 0,
+                "tid": tid,
+                "args": {"name": f"stage {tid}"},
+            }
+        )
         for step in timeline.steps:
-            events.append({
-                "ph": "X", "pid": 0, "tid": tid, "name": f"step {step.step_id}",
-                "ts": (step.start_ns - t0) / 1000.0, "dur": (step.end_ns - step.start_ns) / 1000.0,
-                "args": {"requests": step.num_requests, "tokens": step.num_tokens,
-                         "wait_ms": step.wait_ns / 1e6},
-            })  # fmt: skip
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": tid,
+                    "name": f"step {step.step_id}",
+                    "ts": (step.start_ns - t0) / 1000.0,
+                    "dur": (step.end_ns - step.start_ns) / 1000.0,
+                    "args": {
+                        "requests": step.num_requests,
+                        "tokens": step.num_tokens,
+                        "wait_ms": step.wait_ns / 1e6,
+                    },
+                }
+            )
     return events
 
 

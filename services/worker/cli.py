@@ -8,38 +8,77 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument("--stage", type=int, default=0, help="this worker's stage, 0-based")
-    parser.add_argument("--stages", "--pipeline-parallel-size", dest="stages", type=int,
-                        default=1, help="stages in the pipeline (default: 1)")
-    parser.add_argument("--dist-addr", default="127.0.0.1:29500",
-                        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0")
+    parser.add_argument(
+        "--stages",
+        "--pipeline-parallel-size",
+        dest="stages",
+        type=int,
+        default=1,
+        help="stages in the pipeline (default: 1)",
+    )
+    parser.add_argument(
+        "--dist-addr",
+        default="127.0.0.1:29500",
+        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0",
+    )
     parser.add_argument("--port", type=int, default=50061, help="gRPC port (default: 50061)")
     parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--kv-cache-memory", default="1GiB",
-                        help="this stage's KV cache budget, e.g. 512MiB (default: 1GiB)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="this stage's KV cache budget, e.g. 512MiB (default: 1GiB)",
+    )
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest sequence (default: the model's context length)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (default: the model's context length)",
+    )
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
-    parser.add_argument("--attention-backend", choices=["cpu", "torch", "triton"], default=None,
-                        help="default: triton on cuda; on cpu the C++ decode kernel (cpu), or "
-                             "plain torch when it cannot be compiled here")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: cores / stages, at least 1)")
-    parser.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
-                        help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
-                             "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
-                             "on CPU (default: auto)")
-    parser.add_argument("--cpu-affinity", default=None, metavar="CPUS",
-                        help="pin this worker to these cores, e.g. 0 or 0-3,8 (default: not "
-                             "pinned; `conveyor up` pins each stage to its own cores)")
+    parser.add_argument(
+        "--attention-backend",
+        choices=["cpu", "torch", "triton"],
+        default=None,
+        help="default: triton on cuda; on cpu the C++ decode kernel (cpu), or "
+        "plain torch when it cannot be compiled here",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: cores / stages, at least 1)",
+    )
+    parser.add_argument(
+        "--linear-backend",
+        choices=["auto", "onednn", "torch"],
+        default="auto",
+        help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
+        "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
+        "on CPU (default: auto)",
+    )
+    parser.add_argument(
+        "--cpu-affinity",
+        default=None,
+        metavar="CPUS",
+        help="pin this worker to these cores, e.g. 0 or 0-3,8 (default: not "
+        "pinned; `conveyor up` pins each stage to its own cores)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
-                             "file:///PATH (JSON lines) (default: off)")  # fmt: skip
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
+        "file:///PATH (JSON lines) (default: off)",
+    )
 
 
 def build_config(args: argparse.Namespace):

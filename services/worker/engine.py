@@ -225,9 +225,13 @@ class StageEngine:
             link.send_hidden(out)
         t_end = time.time_ns()
         record = StepRecord(
-            plan.step_id, plan.num_requests, plan.num_scheduled_tokens, t_start, t_end,
+            plan.step_id,
+            plan.num_requests,
+            plan.num_scheduled_tokens,
+            t_start,
+            t_end,
             t_start - t_wait,
-        )  # fmt: skip
+        )
         if plan.num_requests:
             self.timeline.add(record)
         return StepOutcome(plan.step_id, record, result=result)

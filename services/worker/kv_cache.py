@@ -72,20 +72,28 @@ class KVCache:
         self.spec, self.num_blocks = spec, num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+            )
             for _ in range(spec.num_layers)
-        ]  # fmt: skip
+        ]
         logger.info(
             "KV cache: %d blocks x %d tokens, %d layers, %s",
-            num_blocks, spec.block_size, spec.num_layers, format_bytes(self.num_bytes),
-        )  # fmt: skip
+            num_blocks,
+            spec.block_size,
+            spec.num_layers,
+            format_bytes(self.num_bytes),
+        )
 
     @classmethod
     def from_budget(
-        cls, spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
+        cls,
+        spec: KVCacheSpec,
+        budget_bytes: int,
+        max_model_len: int,
         device: str | torch.device = "cpu",
-    ) -> KVCache:  # fmt: skip
+    ) -> KVCache:
         return cls(spec, spec.num_blocks_for(budget_bytes, max_model_len), device)
 
     @property

@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 class StepObserver:
     """Metrics and spans of one stage's steps."""
 
-    def __init__(self, stage: int, metrics: WorkerMetrics | None = None,
-                 tracing: Tracing | None = None):  # fmt: skip
+    def __init__(
+        self, stage: int, metrics: WorkerMetrics | None = None, tracing: Tracing | None = None
+    ):
         self.stage = stage
         self.metrics = metrics
         self.tracing = tracing
@@ -61,12 +62,17 @@ class StepObserver:
         if traced is not None:
             parent, request_ids = traced
             span = self.tracing.start_span(
-                "conveyor.worker.step", parent, start_time=record.start_ns,
-                attributes={"conveyor.stage": self.stage, "conveyor.step_id": outcome.step_id,
-                            "conveyor.request_ids": request_ids,
-                            "conveyor.num_tokens": record.num_tokens,
-                            "conveyor.wait_ns": record.wait_ns},
-            )  # fmt: skip
+                "conveyor.worker.step",
+                parent,
+                start_time=record.start_ns,
+                attributes={
+                    "conveyor.stage": self.stage,
+                    "conveyor.step_id": outcome.step_id,
+                    "conveyor.request_ids": request_ids,
+                    "conveyor.num_tokens": record.num_tokens,
+                    "conveyor.wait_ns": record.wait_ns,
+                },
+            )
             span.end(end_time=record.end_ns)
 
 

@@ -68,9 +68,12 @@ class StageRunner:
     """Holds one stage's model, KV cache and request states; executes step plans."""
 
     def __init__(
-        self, model: StageModel, kv_cache: KVCache, sampler: Sampler | None = None,
+        self,
+        model: StageModel,
+        kv_cache: KVCache,
+        sampler: Sampler | None = None,
         device: str | torch.device = "cpu",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.stage = model.stage
         self.sampler = sampler or Sampler(device=device)
@@ -92,19 +95,28 @@ class StageRunner:
             model_config.vocab_size, model_config.hidden_size, model_config.num_layer_params
         )  # the default split balances work, not layers (see model/stages.py)
         stage = stage_spec(
-            model_config.num_hidden_layers, config.num_stages, config.stage_index,
-            config.layer_split, last_stage_extra=logits_cost,
-        )  # fmt: skip
+            model_config.num_hidden_layers,
+            config.num_stages,
+            config.stage_index,
+            config.layer_split,
+            last_stage_extra=logits_cost,
+        )
         model = load_stage_model(
-            config.model_dir, stage, config.dtype, config.attention_backend,
+            config.model_dir,
+            stage,
+            config.dtype,
+            config.attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
-        ).to(config.device)  # fmt: skip
+        ).to(config.device)
         if config.uses_onednn:
             model.use_onednn()
         spec = KVCacheSpec(
-            stage.num_layers, model_config.num_key_value_heads, model_config.head_dim,
-            config.block_size, resolve_dtype(config.dtype),
-        )  # fmt: skip
+            stage.num_layers,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            config.block_size,
+            resolve_dtype(config.dtype),
+        )
         kv_cache = KVCache.from_budget(spec, config.kv_cache_memory, max_model_len, config.device)
         return cls(model, kv_cache, Sampler(seed, config.device), config.device)
 
@@ -115,9 +127,13 @@ class StageRunner:
         batch = ScheduledBatch([], [])
         for new in plan.new_requests:
             state = RequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                list(new.block_ids), new.num_computed_tokens,
-            )  # fmt: skip
+                new.request_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
             self.requests[new.request_id] = state
             batch.states.append(state)
             batch.num_scheduled.append(new.num_scheduled_tokens)
@@ -185,9 +201,11 @@ class StageRunner:
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(
-        self, plan: StepPlan, hidden_in: torch.Tensor | None = None,
+        self,
+        plan: StepPlan,
+        hidden_in: torch.Tensor | None = None,
         input_token_ids: dict[str, int] | None = None,
-    ) -> torch.Tensor | StepResult:  # fmt: skip
+    ) -> torch.Tensor | StepResult:
         """Run one step. Returns hidden states [T, hidden] (not last stage) or a StepResult.
 
         Args:
@@ -234,7 +252,7 @@ class StageRunner:
             [s.token_ids[: s.num_prompt_tokens] for s in states],
             [s.token_ids[s.num_prompt_tokens :] for s in states],
             device=self.device,
-        )  # fmt: skip
+        )
         output = self.sampler(logits, sampling_batch)
         token_ids = output.token_ids.tolist()
         for state, token_id in zip(states, token_ids, strict=True):

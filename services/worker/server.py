@@ -67,9 +67,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     async def Describe(self, request, context):
         if self.engine is None:
             return worker_pb2.DescribeResponse(
-                stage=self.stage, num_stages=self.num_stages, ready=False,
+                stage=self.stage,
+                num_stages=self.num_stages,
+                ready=False,
                 model_name=self.model_name,
-            )  # fmt: skip
+            )
         runner = self.engine.runner
         spec = runner.model.stage
         return worker_pb2.DescribeResponse(
@@ -93,15 +95,21 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         timeline = self.engine.timeline
         busy, bubble = timeline.fractions()
         reply = worker_pb2.Timeline(
-            stage=self.stage, busy_fraction=busy, bubble_fraction=bubble,
+            stage=self.stage,
+            busy_fraction=busy,
+            bubble_fraction=bubble,
             num_steps=len(timeline.records),
-        )  # fmt: skip
+        )
         if request.include_steps:
             reply.steps.extend(
                 worker_pb2.StepTiming(
-                    step_id=r.step_id, num_requests=r.num_requests, num_tokens=r.num_tokens,
-                    start_ns=r.start_ns, end_ns=r.end_ns, wait_ns=r.wait_ns,
-                )  # fmt: skip
+                    step_id=r.step_id,
+                    num_requests=r.num_requests,
+                    num_tokens=r.num_tokens,
+                    start_ns=r.start_ns,
+                    end_ns=r.end_ns,
+                    wait_ns=r.wait_ns,
+                )
                 for r in timeline.records
             )
         if request.reset:
@@ -169,7 +177,11 @@ async def serve(args: argparse.Namespace) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [_SERVICE, reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
+        [
+            _SERVICE,
+            reflection.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ],
         server,
     )
     model_dir = Path(args.model)
@@ -191,9 +203,14 @@ async def serve(args: argparse.Namespace) -> None:
     layers = runner.model.stage.layer_ids
     logger.info(
         "stage %d/%d serving on port %d: layers %d-%d, %d KV blocks of %d tokens",
-        args.stage, args.stages, args.port, layers.start, layers.stop - 1,
-        runner.kv_cache.num_blocks, runner.kv_cache.block_size,
-    )  # fmt: skip
+        args.stage,
+        args.stages,
+        args.port,
+        layers.start,
+        layers.stop - 1,
+        runner.kv_cache.num_blocks,
+        runner.kv_cache.block_size,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -202,5 +219,3 @@ async def serve(args: argparse.Namespace) -> None:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)
     close_observers()
-
-

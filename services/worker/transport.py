@@ -44,9 +44,14 @@ class StageTransport:
     """Forms one `PipelineLink` per session for this stage."""
 
     def __init__(
-        self, stage: int, num_stages: int, dist_addr: str, device: torch.device,
-        rendezvous_timeout_s: float = 60.0, op_timeout_s: float = 120.0,
-    ):  # fmt: skip
+        self,
+        stage: int,
+        num_stages: int,
+        dist_addr: str,
+        device: torch.device,
+        rendezvous_timeout_s: float = 60.0,
+        op_timeout_s: float = 120.0,
+    ):
         self.stage = stage
         self.num_stages = num_stages
         self.device = device
@@ -77,9 +82,13 @@ class StageTransport:
         if self.is_first:
             if self._master_store is None:
                 self._master_store = dist.TCPStore(
-                    host, port, self.num_stages, is_master=True,
-                    timeout=self._rendezvous_timeout, wait_for_workers=False,
-                )  # fmt: skip
+                    host,
+                    port,
+                    self.num_stages,
+                    is_master=True,
+                    timeout=self._rendezvous_timeout,
+                    wait_for_workers=False,
+                )
             store = self._master_store
         else:
             store = dist.TCPStore(
@@ -87,9 +96,12 @@ class StageTransport:
             )
         prefix = dist.PrefixStore(f"pipeline/{epoch}", store)
         logger.info(
-            "stage %d/%d joining the pipeline at %s (epoch %d)", self.stage, self.num_stages,
-            self._dist_addr, epoch,
-        )  # fmt: skip
+            "stage %d/%d joining the pipeline at %s (epoch %d)",
+            self.stage,
+            self.num_stages,
+            self._dist_addr,
+            epoch,
+        )
         if self.device.type == "cuda":
             group = dist.ProcessGroupNCCL(prefix, self.stage, self.num_stages)
         else:

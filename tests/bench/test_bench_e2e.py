@@ -20,11 +20,25 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {
-    "request_throughput", "output_throughput", "total_token_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-    "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-    "completed", "failed", "bubble_fraction", "prefix_cache_hit_rate", "preemptions",
-}  # fmt: skip
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "completed",
+    "failed",
+    "bubble_fraction",
+    "prefix_cache_hit_rate",
+    "preemptions",
+}
 
 
 @pytest.fixture
@@ -35,11 +49,33 @@ def tiny_stack(tmp_path):
     port, scheduler_port = free_port(), free_port()
     trace = tmp_path / "trace.json"
     log = (tmp_path / "up.log").open("w")
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--stages", "2",
-            "--port", str(port), "--scheduler-port", str(scheduler_port), "--threads", "1",
-            "--kv-cache-memory", "32MiB", "--timeline", str(trace)]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        str(model),
+        "--stages",
+        "2",
+        "--port",
+        str(port),
+        "--scheduler-port",
+        str(scheduler_port),
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "32MiB",
+        "--timeline",
+        str(trace),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_serving(f"127.0.0.1:{port}", 120, proc)
         yield f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", trace, proc
@@ -57,8 +93,24 @@ def tiny_stack(tmp_path):
 def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, capsys):
     router, scheduler, trace, proc = tiny_stack
     out = tmp_path / "result.json"
-    code = main(["bench", "--server", router, "--scheduler", scheduler, "--num-prompts", "8",
-                 "--input-len", "8", "--output-len", "8", "--json", str(out), "--no-progress"])
+    code = main(
+        [
+            "bench",
+            "--server",
+            router,
+            "--scheduler",
+            scheduler,
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     assert set(result) >= RESULT_KEYS
@@ -88,11 +140,31 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_up(model: Path, port: int, trace: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--stages", "2",
-            "--port", str(port), "--threads", "1", "--kv-cache-memory", "32MiB",
-            "--timeline", str(trace)]  # fmt: skip
-    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        str(model),
+        "--stages",
+        "2",
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "32MiB",
+        "--timeline",
+        str(trace),
+    ]
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _wait_first_serving(address: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -146,5 +218,9 @@ def test_up_sigterm_while_starting_stops_every_child(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]]
+    assert not [
+        pid
+        for pid in children
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    ]

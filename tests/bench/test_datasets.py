@@ -41,8 +41,9 @@ def test_random_requests_bad_arguments_are_named():
 
 
 def test_prefix_requests_share_prefixes_in_turn():
-    requests = prefix_requests(POOL, 6, prefix_len=24, input_len=8, output_len=4,
-                               num_prefixes=2, seed=5)  # fmt: skip
+    requests = prefix_requests(
+        POOL, 6, prefix_len=24, input_len=8, output_len=4, num_prefixes=2, seed=5
+    )
     assert all(len(r.prompt_ids) == 32 for r in requests)
     prefixes = [tuple(r.prompt_ids[:24]) for r in requests]
     assert prefixes[0] == prefixes[2] == prefixes[4] != prefixes[1] == prefixes[3] == prefixes[5]

@@ -59,11 +59,15 @@ def test_result_table_shows_scheduler_rows_only_with_a_scheduler():
 def test_ratios_against_the_issue_targets():
     results = {
         "sync-2stage": {"output_throughput": 100.0, "mean_tpot_ms": 40.0},
-        "async-2stage": {"output_throughput": 140.0, "mean_tpot_ms": 28.0,
-                         "single_request_tpot_ms": 35.0, "bubble_fraction": [0.03, 0.08]},
+        "async-2stage": {
+            "output_throughput": 140.0,
+            "mean_tpot_ms": 28.0,
+            "single_request_tpot_ms": 35.0,
+            "bubble_fraction": [0.03, 0.08],
+        },
         "async-1stage": {"output_throughput": 150.0, "mean_tpot_ms": 25.0},
         "transformers": {"output_throughput": 100.0, "mean_tpot_ms": 50.0},
-    }  # fmt: skip
+    }
     by_name = {r["name"]: r for r in ratios(results)}
     assert by_name["async / sync output throughput"]["value"] == pytest.approx(1.4)
     assert by_name["async / sync output throughput"]["met"]

@@ -47,8 +47,9 @@ def test_pin_process_pins_existing_and_later_threads():
         "late.start(); late.join(); early.join()\n"
         "print(sorted(os.sched_getaffinity(0)), [sorted(s) for s in seen])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout.strip()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
     assert out == f"[{cpu}] [[{cpu}], [{cpu}]]"
 
 

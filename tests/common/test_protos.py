@@ -23,8 +23,9 @@ def test_protos_every_rpc_and_field_is_commented():
         for i, line in enumerate(lines):
             stripped = line.strip()
             is_decl = stripped.startswith("rpc ") or (
-                "=" in stripped and stripped.endswith(";") and not stripped.startswith(
-                    ("syntax", "package", "option", "import", "//"))
+                "=" in stripped
+                and stripped.endswith(";")
+                and not stripped.startswith(("syntax", "package", "option", "import", "//"))
             )
             if not is_decl:
                 continue
@@ -32,4 +33,6 @@ def test_protos_every_rpc_and_field_is_commented():
             j = i - 1
             while j >= 0 and "=" in lines[j] and lines[j].strip().endswith(";"):
                 j -= 1
-            assert lines[j].strip().startswith("//"), f"{proto.name}:{i + 1} has no comment: {stripped}"
+            assert lines[j].strip().startswith("//"), (
+                f"{proto.name}:{i + 1} has no comment: {stripped}"
+            )

@@ -38,10 +38,19 @@ DOCS = REPO / "README.md"
 
 
 def compose_argvs() -> list[tuple[str, list[str]]]:
-    cmd = [str(compose_binary()), "--project-directory", str(REPO), "-f",
-           str(REPO / "docker-compose.yml"), "config", "--format", "json"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env(),
-                          check=True)  # fmt: skip
+    cmd = [
+        str(compose_binary()),
+        "--project-directory",
+        str(REPO),
+        "-f",
+        str(REPO / "docker-compose.yml"),
+        "config",
+        "--format",
+        "json",
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=clean_env(), check=True
+    )
     found = []
     for name, svc in json.loads(done.stdout)["services"].items():
         if svc["image"].startswith("redis"):
@@ -55,11 +64,24 @@ def compose_argvs() -> list[tuple[str, list[str]]]:
 
 def helm_argvs(tmp_path_factory) -> list[tuple[str, list[str]]]:
     found = []
-    for values in ([], ["-f", str(CHART / "values-gpu-4stage.yaml")],
-                   ["--set", "metrics.enabled=true", "--set", "scheduler.maxNumSeqs=64",
-                    "--set", "scheduler.maxNumBatchedTokens=2048", "--set", "pipeline.blockSize=16",
-                    "--set", "worker.threads=4",
-                    "--set", "scheduler.maxInflight=2"]):  # fmt: skip
+    for values in (
+        [],
+        ["-f", str(CHART / "values-gpu-4stage.yaml")],
+        [
+            "--set",
+            "metrics.enabled=true",
+            "--set",
+            "scheduler.maxNumSeqs=64",
+            "--set",
+            "scheduler.maxNumBatchedTokens=2048",
+            "--set",
+            "pipeline.blockSize=16",
+            "--set",
+            "worker.threads=4",
+            "--set",
+            "scheduler.maxInflight=2",
+        ],
+    ):
         for doc in render(*values):
             for container in containers(doc, init=True):
                 where = f"helm {' '.join(values) or 'default'} {container['name']}"
@@ -141,13 +163,17 @@ def test_dockerfile_entry_point_is_conveyor_and_runs_unprivileged():
 
 def test_dockerfile_bakes_no_model_and_copies_only_what_pip_needs():
     text = DOCKERFILE.read_text()
-    sources = [w for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M)
-               for w in line.split()[:-1]]  # fmt: skip
+    sources = [
+        w for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for w in line.split()[:-1]
+    ]
     sources = [s.removeprefix("./") for s in sources]
     assert set(sources) == {"pyproject.toml", "README.md", "services", "kernels"}
     assert "models" not in " ".join(sources)
-    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}  # fmt: skip
+    ignored = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for source in sources:
         assert source not in ignored, f".dockerignore drops {source}"
 
@@ -161,8 +187,15 @@ def test_dockerfile_torch_matches_the_project_pin():
 
 def test_docs_show_the_commands_people_run():
     docs = DOCS.read_text()
-    for command in ("docker build", "--build-arg BASE=cuda", "docker compose up",
-                    "helm install", "values-gpu-4stage.yaml", "model.existingClaim",
-                    "pipeline.stages", "grpcurl"):  # fmt: skip
+    for command in (
+        "docker build",
+        "--build-arg BASE=cuda",
+        "docker compose up",
+        "helm install",
+        "values-gpu-4stage.yaml",
+        "model.existingClaim",
+        "pipeline.stages",
+        "grpcurl",
+    ):
         assert command in docs, command
     assert (CHART / "values-gpu-4stage.yaml").exists()

@@ -18,8 +18,14 @@ CONVEYOR_SERVICES = ("model-fetch", "worker-0", "worker-1", "scheduler", "router
 
 
 def compose(project_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [str(compose_binary()), "--project-directory", str(project_dir),
-           "-f", str(project_dir / "docker-compose.yml"), *args]  # fmt: skip
+    cmd = [
+        str(compose_binary()),
+        "--project-directory",
+        str(project_dir),
+        "-f",
+        str(project_dir / "docker-compose.yml"),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=clean_env())
 
 
@@ -40,11 +46,13 @@ def test_compose_config_accepts_the_file():
     ("old", "new"),
     [
         ("condition: service_completed_successfully", "condition: service_finished"),
-        ("      worker-1:\n        condition: service_healthy",
-         "      worker-9:\n        condition: service_healthy"),
+        (
+            "      worker-1:\n        condition: service_healthy",
+            "      worker-9:\n        condition: service_healthy",
+        ),
     ],
     ids=["bad-condition", "unknown-dependency"],
-)  # fmt: skip
+)
 def test_compose_config_rejects_a_broken_copy(tmp_path, old, new):
     text = COMPOSE_FILE.read_text()
     assert old in text
@@ -90,11 +98,16 @@ def test_scheduler_waits_for_redis_and_lists_both_stages(stack):
     ports = [flags(stack[n]["command"])["--port"] for n in ("worker-0", "worker-1")]
     assert got["--workers"] == f"worker-0:{ports[0]},worker-1:{ports[1]}"
     assert got["--redis-url"] == "redis://redis:6379/0"  # no password in the URL
-    assert scheduler["environment"]["CONVEYOR_REDIS_PASSWORD"] == stack["redis"]["environment"][
-        "REDIS_PASSWORD"]  # fmt: skip
+    assert (
+        scheduler["environment"]["CONVEYOR_REDIS_PASSWORD"]
+        == stack["redis"]["environment"]["REDIS_PASSWORD"]
+    )
     conditions = {k: v["condition"] for k, v in scheduler["depends_on"].items()}
-    assert conditions == {"redis": "service_healthy", "worker-0": "service_healthy",
-                          "worker-1": "service_healthy"}  # fmt: skip
+    assert conditions == {
+        "redis": "service_healthy",
+        "worker-0": "service_healthy",
+        "worker-1": "service_healthy",
+    }
     router = flags(stack["router"]["command"])
     assert router["--scheduler"] == f"scheduler:{got['--port']}"
     assert stack["router"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
@@ -103,8 +116,12 @@ def test_scheduler_waits_for_redis_and_lists_both_stages(stack):
 def test_healthchecks_use_conveyor_health_on_each_service_port(stack):
     for name in ("worker-0", "worker-1", "scheduler", "router"):
         port = flags(stack[name]["command"])["--port"]
-        assert stack[name]["healthcheck"]["test"] == ["CMD", "conveyor", "health",
-                                                      f"127.0.0.1:{port}"], name  # fmt: skip
+        assert stack[name]["healthcheck"]["test"] == [
+            "CMD",
+            "conveyor",
+            "health",
+            f"127.0.0.1:{port}",
+        ], name
         assert stack[name]["restart"] == "unless-stopped"
     redis = stack["redis"]
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])

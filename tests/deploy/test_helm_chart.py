@@ -33,13 +33,31 @@ CONVEYOR_CONTAINERS = {"worker", "scheduler", "router", "model-fetch"}
 VALUE_SETS = [
     ("default", [], 2),
     ("gpu-4stage", ["-f", GPU_VALUES], 4),
-    ("metrics-existing-claim", ["--set", "metrics.enabled=true",
-                                "--set", "model.existingClaim=models", "--set",
-                                "router.autoscaling.enabled=false"], 2),
-    ("external-redis", ["--set", "redis.enabled=false",
-                        "--set", "redis.external.url=redis://redis.infra:6379/0",
-                        "--set", "redis.auth.existingSecret=infra-redis"], 2),
-]  # fmt: skip
+    (
+        "metrics-existing-claim",
+        [
+            "--set",
+            "metrics.enabled=true",
+            "--set",
+            "model.existingClaim=models",
+            "--set",
+            "router.autoscaling.enabled=false",
+        ],
+        2,
+    ),
+    (
+        "external-redis",
+        [
+            "--set",
+            "redis.enabled=false",
+            "--set",
+            "redis.external.url=redis://redis.infra:6379/0",
+            "--set",
+            "redis.auth.existingSecret=infra-redis",
+        ],
+        2,
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=VALUE_SETS, ids=[v[0] for v in VALUE_SETS])
@@ -79,8 +97,11 @@ def test_service_monitor_scrapes_the_metrics_service():
         if doc["kind"] != "ServiceMonitor":
             kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    selected = [s for s in find(docs, "Service")
-                if monitor["spec"]["selector"]["matchLabels"].items() <= labels(s).items()]  # fmt: skip
+    selected = [
+        s
+        for s in find(docs, "Service")
+        if monitor["spec"]["selector"]["matchLabels"].items() <= labels(s).items()
+    ]
     assert len(selected) == 1
     service = selected[0]
     port_names = {p["name"] for p in service["spec"]["ports"]}
@@ -101,8 +122,11 @@ def test_worker_statefulset_runs_one_pod_per_stage(rendered, tmp_path):
     assert sts["spec"]["replicas"] == stages
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     (container,) = containers(sts)
-    headless = next(s for s in find(docs, "Service", "worker")
-                    if s["metadata"]["name"] == sts["spec"]["serviceName"])  # fmt: skip
+    headless = next(
+        s
+        for s in find(docs, "Service", "worker")
+        if s["metadata"]["name"] == sts["spec"]["serviceName"]
+    )
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True
     namespace_suffix = f"{headless['metadata']['name']}.llm.svc.cluster.local"
@@ -131,8 +155,9 @@ def test_scheduler_lists_every_stage_in_order(rendered, tmp_path):
     (scheduler,) = containers(deployment)
     addrs = flags(container_argv(scheduler))["--workers"].split(",")
     name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
-    assert addrs == [f"{name}-{i}.{service}.llm.svc.cluster.local:{worker_port}"
-                     for i in range(stages)]  # fmt: skip
+    assert addrs == [
+        f"{name}-{i}.{service}.llm.svc.cluster.local:{worker_port}" for i in range(stages)
+    ]
 
 
 def test_router_reaches_the_scheduler_service(rendered):
@@ -150,7 +175,10 @@ def test_every_container_has_probes_and_resources(rendered):
     docs, _ = rendered
     workloads = [d for d in docs if pod_spec(d) is not None]
     assert {labels(d)["app.kubernetes.io/component"] for d in workloads} >= {
-        "router", "scheduler", "worker"}  # fmt: skip
+        "router",
+        "scheduler",
+        "worker",
+    }
     for doc in workloads:
         for container in containers(doc, init=True):
             where = f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}"
@@ -160,8 +188,9 @@ def test_every_container_has_probes_and_resources(rendered):
             where = f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}"
             assert "livenessProbe" in container and "readinessProbe" in container, where
             if container["name"] in CONVEYOR_CONTAINERS:
-                grpc_port = next(p["containerPort"] for p in container["ports"]
-                                 if p["name"] == "grpc")  # fmt: skip
+                grpc_port = next(
+                    p["containerPort"] for p in container["ports"] if p["name"] == "grpc"
+                )
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     assert container[probe]["grpc"]["port"] == grpc_port, (where, probe)
 
@@ -173,11 +202,17 @@ def test_only_the_router_is_exposed(rendered):
             assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service["metadata"]
             assert all("nodePort" not in p for p in service["spec"]["ports"])
     policies = find(docs, "NetworkPolicy")
-    router_policy = next(p for p in policies if p["spec"]["podSelector"].get("matchLabels", {})
-                         .get("app.kubernetes.io/component") == "router")  # fmt: skip
+    router_policy = next(
+        p
+        for p in policies
+        if p["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
+        == "router"
+    )
     # the router's gRPC port is open to everyone
-    assert any("from" not in rule and {"port": "grpc", "protocol": "TCP"} in rule["ports"]
-               for rule in router_policy["spec"]["ingress"])  # fmt: skip
+    assert any(
+        "from" not in rule and {"port": "grpc", "protocol": "TCP"} in rule["ports"]
+        for rule in router_policy["spec"]["ingress"]
+    )
     internal = next(p for p in policies if p is not router_policy)
     selected = internal["spec"]["podSelector"]["matchExpressions"][0]
     assert selected["key"] == "app.kubernetes.io/component"
@@ -195,13 +230,16 @@ def test_redis_password_only_from_a_secret():
     docs = render("--set", f"redis.auth.password={secret_value}")
     secret = one(docs, "Secret", "redis")
     assert base64.b64decode(secret["data"]["redis-password"]).decode() == secret_value
-    rendered_text = helm("template", "conv", str(CHART), "--set",
-                         f"redis.auth.password={secret_value}").stdout  # fmt: skip
+    rendered_text = helm(
+        "template", "conv", str(CHART), "--set", f"redis.auth.password={secret_value}"
+    ).stdout
     assert secret_value not in rendered_text  # only its base64 form, inside the Secret
     scheduler_env = containers(one(docs, "Deployment", "scheduler"))[0]["env"]
     (password_env,) = [e for e in scheduler_env if e["name"] == "CONVEYOR_REDIS_PASSWORD"]
     assert password_env["valueFrom"]["secretKeyRef"] == {
-        "name": secret["metadata"]["name"], "key": "redis-password"}  # fmt: skip
+        "name": secret["metadata"]["name"],
+        "key": "redis-password",
+    }
     for doc in docs:
         for container in containers(doc, init=True):
             for env in container.get("env", []):
@@ -212,17 +250,30 @@ def test_redis_password_only_from_a_secret():
 
 
 def test_external_redis_uses_its_secret_and_needs_one():
-    docs = render("--set", "redis.enabled=false",
-                  "--set", "redis.external.url=redis://redis.infra:6379/0",
-                  "--set", "redis.auth.existingSecret=infra-redis")  # fmt: skip
+    docs = render(
+        "--set",
+        "redis.enabled=false",
+        "--set",
+        "redis.external.url=redis://redis.infra:6379/0",
+        "--set",
+        "redis.auth.existingSecret=infra-redis",
+    )
     assert find(docs, "StatefulSet", "redis") == [] and find(docs, "Secret") == []
     (scheduler,) = containers(one(docs, "Deployment", "scheduler"))
     assert flags(container_argv(scheduler))["--redis-url"] == "redis://redis.infra:6379/0"
     (password_env,) = [e for e in scheduler["env"] if e["name"] == "CONVEYOR_REDIS_PASSWORD"]
     assert password_env["valueFrom"]["secretKeyRef"]["name"] == "infra-redis"
 
-    done = helm("template", "conv", str(CHART), "--set", "redis.enabled=false",
-                "--set", "redis.external.url=redis://redis.infra:6379/0", check=False)  # fmt: skip
+    done = helm(
+        "template",
+        "conv",
+        str(CHART),
+        "--set",
+        "redis.enabled=false",
+        "--set",
+        "redis.external.url=redis://redis.infra:6379/0",
+        check=False,
+    )
     assert done.returncode != 0
     assert "redis.auth.existingSecret" in done.stderr
 
@@ -268,8 +319,11 @@ def test_router_scales_and_survives_disruptions():
     pdb = one(docs, "PodDisruptionBudget", "router")
     pod_labels = router["spec"]["template"]["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    fixed = one(render("--set", "router.autoscaling.enabled=false", "--set", "router.replicas=3"),
-                "Deployment", "router")  # fmt: skip
+    fixed = one(
+        render("--set", "router.autoscaling.enabled=false", "--set", "router.replicas=3"),
+        "Deployment",
+        "router",
+    )
     assert fixed["spec"]["replicas"] == 3
 
 

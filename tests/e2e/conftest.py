@@ -36,11 +36,29 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
         pytest.fail(f"`conveyor {' '.join(missing)}` is not registered in services/cli.py yet")
     port, scheduler_port = free_port(), free_port()
     log = (tmp_path_factory.mktemp("stack") / "conveyor-up.log").open("w")
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(smollm2_dir),
-            "--stages", "2", "--port", str(port), "--scheduler-port", str(scheduler_port),
-            "--kv-cache-memory", "256MiB"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        str(smollm2_dir),
+        "--stages",
+        "2",
+        "--port",
+        str(port),
+        "--scheduler-port",
+        str(scheduler_port),
+        "--kv-cache-memory",
+        "256MiB",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_serving(f"127.0.0.1:{port}", 600, proc)
         yield StackInfo(f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", Path(smollm2_dir))

@@ -37,8 +37,9 @@ def tokenizer(conveyor_stack) -> Tokenizer:
 
 
 def _greedy(client, prompt=PROMPT, max_tokens=16, **kwargs):
-    return client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                           **kwargs)  # fmt: skip
+    return client.complete(
+        prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs
+    )
 
 
 def _stats(conveyor_stack) -> scheduler_pb2.SchedulerStats:
@@ -78,17 +79,24 @@ def test_e2e_chat_streams_through_the_template(client, tokenizer):
 @pytest.mark.skipif(not GRPCURL.exists(), reason="grpcurl not installed")
 def test_e2e_grpcurl_lists_and_calls(conveyor_stack, client):
     def grpcurl(*args):
-        done = subprocess.run([str(GRPCURL), "-plaintext", *args], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [str(GRPCURL), "-plaintext", *args], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
     address = conveyor_stack.router
-    assert {"conveyor.v1.Generation", "inference.GRPCInferenceService",
-            "grpc.health.v1.Health"} <= set(grpcurl(address, "list").split())
-    out = grpcurl("-d", json.dumps({"text": PROMPT, "sampling": {"max_tokens": 16,
-                                                                  "ignore_eos": True}}),
-                  address, "conveyor.v1.Generation/Generate")  # fmt: skip
+    assert {
+        "conveyor.v1.Generation",
+        "inference.GRPCInferenceService",
+        "grpc.health.v1.Health",
+    } <= set(grpcurl(address, "list").split())
+    out = grpcurl(
+        "-d",
+        json.dumps({"text": PROMPT, "sampling": {"max_tokens": 16, "ignore_eos": True}}),
+        address,
+        "conveyor.v1.Generation/Generate",
+    )
     messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
     assert "".join(m.get("text", "") for m in messages) == _greedy(client).text
     assert json.loads(grpcurl(address, "grpc.health.v1.Health/Check")) == {"status": "SERVING"}
@@ -99,10 +107,12 @@ def _triton_inputs(prompt: str, stream: bool):
 
     params = json.dumps({"max_tokens": 16, "temperature": 0, "ignore_eos": True})
     tensors = []
-    for name, datatype, value in (("text_input", "BYTES", prompt.encode()),
-                                  ("sampling_parameters", "BYTES", params.encode()),
-                                  ("stream", "BOOL", stream),
-                                  ("exclude_input_in_output", "BOOL", True)):  # fmt: skip
+    for name, datatype, value in (
+        ("text_input", "BYTES", prompt.encode()),
+        ("sampling_parameters", "BYTES", params.encode()),
+        ("stream", "BOOL", stream),
+        ("exclude_input_in_output", "BOOL", True),
+    ):
         tensor = triton.InferInput(name, [1], datatype)
         tensor.set_data_from_numpy(np.array([value], dtype=object if datatype == "BYTES" else bool))
         tensors.append(tensor)
@@ -143,12 +153,14 @@ def test_e2e_invalid_fields_refused_while_others_are_served(conveyor_stack, clie
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    cases = [({"prompt": ""}, "text is empty"),
-             ({"prompt": "x", "top_p": 2.0}, "top_p=2.0"),
-             ({"prompt": "x", "temperature": -1.0}, "temperature=-1.0"),
-             ({"prompt": "x", "max_tokens": 10_000}, "max_tokens (10000)"),
-             ({"prompt": "x", "model": "gpt-4"}, "model='gpt-4'"),
-             ({"prompt": "x", "stop": ["s"] * 17}, "stop has 17 strings")]  # fmt: skip
+    cases = [
+        ({"prompt": ""}, "text is empty"),
+        ({"prompt": "x", "top_p": 2.0}, "top_p=2.0"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature=-1.0"),
+        ({"prompt": "x", "max_tokens": 10_000}, "max_tokens (10000)"),
+        ({"prompt": "x", "model": "gpt-4"}, "model='gpt-4'"),
+        ({"prompt": "x", "stop": ["s"] * 17}, "stop has 17 strings"),
+    ]
     for kwargs, expected in cases:
         with pytest.raises(grpc.RpcError) as info:
             client.complete(**kwargs)
@@ -170,13 +182,18 @@ def test_e2e_cancel_frees_blocks(conveyor_stack, client):
     def freed():
         stats = _stats(conveyor_stack)
         return "e2e-cancel" not in stats.request_blocks and stats.num_running == 0
+
     wait_until(freed, timeout_s=60, what="the cancelled request's blocks to be freed")
 
 
 def test_e2e_64_concurrent_streams_complete(conveyor_stack):
     async def one(client, index):
-        deltas = [d async for d in client.generate(f"Story {index}: once upon a time",
-                                                   max_tokens=8, ignore_eos=True)]
+        deltas = [
+            d
+            async for d in client.generate(
+                f"Story {index}: once upon a time", max_tokens=8, ignore_eos=True
+            )
+        ]
         return deltas
 
     async def main():

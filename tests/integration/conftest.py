@@ -39,6 +39,7 @@ def smollm2_reference(smollm2_dir, smollm2_prompts):
     torch.set_num_threads(2)
     return hf_greedy_reference(smollm2_dir, smollm2_prompts, 16)
 
+
 def hf_greedy_reference(model_dir, prompts: list[list[int]], max_new: int):
     """HF greedy with its KV cache: (tokens, per-step logits) per prompt."""
     import transformers
@@ -49,10 +50,14 @@ def hf_greedy_reference(model_dir, prompts: list[list[int]], max_new: int):
     with torch.inference_mode():
         for prompt in prompts:
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
                 eos_token_id=None,
-            )  # fmt: skip
+            )
             tokens.append(out.sequences[0, len(prompt) :].tolist())
             logits.append([step[0].float() for step in out.logits])
     return tokens, logits

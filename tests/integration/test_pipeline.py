@@ -14,8 +14,10 @@ from tests.worker.utils import compare_greedy
 pytestmark = pytest.mark.slow
 
 TIE_MARGIN = 0.01
-SEEDED = [dict(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=12, ignore_eos=True)
-          for i in range(4)]  # fmt: skip
+SEEDED = [
+    dict(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=12, ignore_eos=True)
+    for i in range(4)
+]
 _seeded_by_mode: dict[tuple[int, str], list[list[int]]] = {}
 
 

@@ -26,9 +26,11 @@ CHUNK = 64
 @pytest.fixture(scope="module")
 def stack(smollm2_dir):
     stack = ProcessStack(
-        smollm2_dir, 2, "async",
+        smollm2_dir,
+        2,
+        "async",
         scheduler_args=["--max-num-batched-tokens", str(CHUNK)],
-    ).start()  # fmt: skip
+    ).start()
     yield stack
     stack.stop()
 
@@ -87,9 +89,10 @@ def test_workers_describe_their_device_and_work_balanced_split(stack):
 
 def test_abort_mid_stream_frees_blocks(stack, smollm2_prompts):
     request = scheduler_pb2.SubmitRequest(
-        request_id="abort-me", prompt_token_ids=smollm2_prompts[1],
+        request_id="abort-me",
+        prompt_token_ids=smollm2_prompts[1],
         sampling=common_pb2.SamplingParams(max_tokens=500, ignore_eos=True),
-    )  # fmt: skip
+    )
     stream = stack.stub.Submit(request, timeout=120)
     first = next(stream)
     assert first.token_ids
@@ -129,4 +132,3 @@ def _timelines(stack, reset: bool = False):
             request = worker_pb2.GetTimelineRequest(include_steps=True, reset=reset)
             replies.append(stub.GetTimeline(request, timeout=10))
     return replies
-

@@ -65,9 +65,10 @@ def test_scheduler_killed_resume_delivers_the_rest_without_duplicates(stack, ref
     streams = {}
     for i, request_id in enumerate(received):
         request = scheduler_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompts[i],
+            request_id=request_id,
+            prompt_token_ids=prompts[i],
             sampling=common_pb2.SamplingParams(max_tokens=NUM_NEW, ignore_eos=True),
-        )  # fmt: skip
+        )
         streams[request_id] = stack.stub.Submit(request, timeout=300)
     for request_id, stream in streams.items():  # a few tokens each, then the scheduler dies
         delta = next(stream)

@@ -33,9 +33,17 @@ class Outcome:
 class ProcessStack:
     """Workers and a scheduler as child processes; stop() leaves nothing running."""
 
-    def __init__(self, model_dir, stages: int, scheduling: str = "async",
-                 kv_cache_memory: str = "128MiB", max_model_len: int = 1024, worker_args: list[str] | None = None,
-                 scheduler_args: list[str] | None = None, redis_url: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir,
+        stages: int,
+        scheduling: str = "async",
+        kv_cache_memory: str = "128MiB",
+        max_model_len: int = 1024,
+        worker_args: list[str] | None = None,
+        scheduler_args: list[str] | None = None,
+        redis_url: str | None = None,
+    ):
         self.model_dir, self.stages, self.scheduling = str(model_dir), stages, scheduling
         self.kv_cache_memory = kv_cache_memory
         self.worker_args = ["--max-model-len", str(max_model_len), *(worker_args or [])]
@@ -64,17 +72,40 @@ class ProcessStack:
         return self
 
     def start_worker(self, stage: int) -> None:
-        argv = ["worker", "--model", self.model_dir, "--stage", str(stage),
-                "--stages", str(self.stages), "--dist-addr", self.dist_addr,
-                "--port", str(self.worker_ports[stage]), "--kv-cache-memory",
-                self.kv_cache_memory, "--threads", "1", *self.worker_args]  # fmt: skip
+        argv = [
+            "worker",
+            "--model",
+            self.model_dir,
+            "--stage",
+            str(stage),
+            "--stages",
+            str(self.stages),
+            "--dist-addr",
+            self.dist_addr,
+            "--port",
+            str(self.worker_ports[stage]),
+            "--kv-cache-memory",
+            self.kv_cache_memory,
+            "--threads",
+            "1",
+            *self.worker_args,
+        ]
         self.workers[stage] = _spawn(argv)
 
     def start_scheduler(self, timeout_s: float = 180) -> None:
         workers = ",".join(f"127.0.0.1:{p}" for p in self.worker_ports)
-        argv = ["scheduler", "--workers", workers, "--redis-url", self.redis_url,
-                "--port", str(self.scheduler_port), "--scheduling", self.scheduling,
-                *self.scheduler_args]  # fmt: skip
+        argv = [
+            "scheduler",
+            "--workers",
+            workers,
+            "--redis-url",
+            self.redis_url,
+            "--port",
+            str(self.scheduler_port),
+            "--scheduling",
+            self.scheduling,
+            *self.scheduler_args,
+        ]
         self.scheduler = _spawn(argv)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -128,8 +159,9 @@ class ProcessStack:
         sampling.setdefault("max_tokens", 16)
         request = scheduler_pb2.SubmitRequest(
             request_id=request_id or f"req-{next(_ids)}-{time.time_ns()}",
-            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling),
-        )  # fmt: skip
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(**sampling),
+        )
         outcome = Outcome([], 0)
         for delta in self.stub.Submit(request, timeout=300):
             assert delta.offset == len(outcome.token_ids), "a delta skipped or repeated tokens"
@@ -138,8 +170,12 @@ class ProcessStack:
             outcome.finish_reason = delta.finish_reason
         return outcome
 
-    def generate_many(self, prompts: list[list[int]], samplings: list[dict] | None = None,
-                      delays: list[float] | None = None) -> list[Outcome]:  # fmt: skip
+    def generate_many(
+        self,
+        prompts: list[list[int]],
+        samplings: list[dict] | None = None,
+        delays: list[float] | None = None,
+    ) -> list[Outcome]:
         """All at once (or staggered by `delays` seconds), each on its own stream."""
         samplings = samplings or [{} for _ in prompts]
         delays = delays or [0.0] * len(prompts)

@@ -13,8 +13,16 @@ MIXED = [(0, 6), (9, 1), (13, 7), (30, 1)]
 """(cached context, query length): a prompt, two decodes, and a chunk at offset 13."""
 
 
-def run_both(seqs, *, num_q_heads, num_kv_heads, block_size, dtype=torch.float32,
-             head_dim=16, num_splits=None):  # fmt: skip
+def run_both(
+    seqs,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    block_size,
+    dtype=torch.float32,
+    head_dim=16,
+    num_splits=None,
+):
     meta, k_cache, v_cache = make_batch(
         seqs, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
@@ -30,8 +38,9 @@ def run_both(seqs, *, num_q_heads, num_kv_heads, block_size, dtype=torch.float32
     ids=["gqa1-bs8", "gqa2-bs16", "gqa4-bs32", "gqa3-bs8"],
 )
 def test_paged_attention_mixed_batch_matches_reference(num_q_heads, num_kv_heads, block_size):
-    got, want = run_both(MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                         block_size=block_size)  # fmt: skip
+    got, want = run_both(
+        MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size
+    )
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
@@ -44,8 +53,7 @@ def test_paged_attention_dtypes_match_reference(dtype):
 
 def test_paged_attention_decode_only_partial_blocks():
     # Context lengths end mid-block (17, 5, 32 + 1 with block 16).
-    got, want = run_both([(16, 1), (4, 1), (32, 1)], num_q_heads=4, num_kv_heads=1,
-                         block_size=16)  # fmt: skip
+    got, want = run_both([(16, 1), (4, 1), (32, 1)], num_q_heads=4, num_kv_heads=1, block_size=16)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
@@ -56,23 +64,24 @@ def test_paged_attention_chunked_prefill_at_offset():
 
 
 def test_paged_attention_odd_head_dim():
-    got, want = run_both([(5, 3), (2, 1)], num_q_heads=2, num_kv_heads=1, block_size=8,
-                         head_dim=24)  # fmt: skip
+    got, want = run_both([(5, 3), (2, 1)], num_q_heads=2, num_kv_heads=1, block_size=8, head_dim=24)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
 def test_paged_attention_split_k_decode_matches_reference(num_splits):
     # 70 keys = 3 key tiles: 5 splits leave some splits empty, which must weigh nothing.
-    got, want = run_both([(69, 1), (7, 1)], num_q_heads=4, num_kv_heads=2, block_size=16,
-                         num_splits=num_splits)  # fmt: skip
+    got, want = run_both(
+        [(69, 1), (7, 1)], num_q_heads=4, num_kv_heads=2, block_size=16, num_splits=num_splits
+    )
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_split_k_low_precision(dtype):
-    got, want = run_both([(40, 1)], num_q_heads=2, num_kv_heads=1, block_size=8, dtype=dtype,
-                         num_splits=2)  # fmt: skip
+    got, want = run_both(
+        [(40, 1)], num_q_heads=2, num_kv_heads=1, block_size=8, dtype=dtype, num_splits=2
+    )
     torch.testing.assert_close(got, want, **TOLERANCES[dtype])
 
 
@@ -82,8 +91,9 @@ def test_paged_attention_split_k_mixed_batch():
 
 
 def test_paged_attention_writes_into_out():
-    meta, k_cache, v_cache = make_batch([(3, 2)], block_size=8, num_kv_heads=1, head_dim=16,
-                                        dtype=torch.float32)  # fmt: skip
+    meta, k_cache, v_cache = make_batch(
+        [(3, 2)], block_size=8, num_kv_heads=1, head_dim=16, dtype=torch.float32
+    )
     q = randn(meta.num_tokens, 2, 16, dtype=torch.float32)
     out = torch.full_like(q, float("nan"))
     got = paged_attention(q, k_cache, v_cache, meta, 0.25, out=out)
@@ -99,8 +109,9 @@ def test_choose_num_splits_only_when_the_gpu_would_idle():
 
 
 def _args():
-    meta, k_cache, v_cache = make_batch([(3, 2)], block_size=8, num_kv_heads=2, head_dim=16,
-                                        dtype=torch.float32)  # fmt: skip
+    meta, k_cache, v_cache = make_batch(
+        [(3, 2)], block_size=8, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
     return randn(meta.num_tokens, 4, 16, dtype=torch.float32), k_cache, v_cache, meta
 
 

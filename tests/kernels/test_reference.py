@@ -12,8 +12,9 @@ from tests.kernels.utils import make_batch, randn
 @pytest.mark.parametrize("num_q_heads", [2, 4])
 def test_paged_attention_ref_equals_dense_causal_attention(num_q_heads):
     seqs = [(0, 5), (6, 1), (11, 4)]
-    meta, k_cache, v_cache = make_batch(seqs, block_size=4, num_kv_heads=2, head_dim=8,
-                                        dtype=torch.float64)  # fmt: skip
+    meta, k_cache, v_cache = make_batch(
+        seqs, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float64
+    )
     starts = meta.query_start_loc.tolist()
     q = randn(meta.num_tokens, num_q_heads, 8, dtype=torch.float64)
     wants = []

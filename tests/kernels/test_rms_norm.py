@@ -16,8 +16,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_rms_norm_matches_reference(dtype):
     x = randn(5, 40, dtype=dtype, seed=1)
     weight = randn(40, dtype=dtype, seed=2)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5),
-                               **TOLERANCES[dtype])  # fmt: skip
+    torch.testing.assert_close(
+        rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), **TOLERANCES[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

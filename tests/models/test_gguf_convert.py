@@ -46,8 +46,9 @@ def test_unpermute_rotary_inverts_llama_cpp_permute():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_convert_gguf_round_trip_gives_same_logits(tmp_path, tied):
-    original = make_tiny_model(tmp_path / "orig", num_layers=2, vocab_size=400,
-                               tie_word_embeddings=tied, seed=3)  # fmt: skip
+    original = make_tiny_model(
+        tmp_path / "orig", num_layers=2, vocab_size=400, tie_word_embeddings=tied, seed=3
+    )
     gguf_path = tmp_path / "tiny.gguf"
     write_gguf_from_hf(original, gguf_path)
     converted = tmp_path / "converted"
@@ -123,8 +124,12 @@ def test_smollm2_greedy_continuation_names_paris(smollm2_dir):
 def test_smollm2_config_comes_from_gguf_metadata(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"]) == (30, 576, 9, 3)  # fmt: skip
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    ) == (30, 576, 9, 3)
     assert config["max_position_embeddings"] == 8192 and config["vocab_size"] == 49152
     assert config["tie_word_embeddings"] is True
     generation = json.loads((smollm2_dir / "generation_config.json").read_text())

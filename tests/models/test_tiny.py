@@ -47,9 +47,13 @@ def test_make_tiny_model_untied_has_lm_head(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"num_heads": 3}, "heads"), ({"num_kv_heads": 3}, "num_kv_heads"),
-     ({"vocab_size": 100}, "vocab_size"), ({"architecture": "GPT2LMHeadModel"}, "GPT2")],
-)  # fmt: skip
+    [
+        ({"num_heads": 3}, "heads"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"vocab_size": 100}, "vocab_size"),
+        ({"architecture": "GPT2LMHeadModel"}, "GPT2"),
+    ],
+)
 def test_make_tiny_model_rejects_impossible_shapes(tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         make_tiny_model(tmp_path / "bad", **kwargs)

@@ -32,8 +32,11 @@ _TO_GGUF = {
 
 
 def _gguf_name(hf_name: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in globals_:
         return globals_[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)

@@ -70,8 +70,15 @@ class FakePipeline:
         self.workers = FakeWorkers(is_async=True, block_size=4)
 
     async def wait_ready(self) -> PipelineInfo:
-        return PipelineInfo(num_stages=2, num_blocks=64, block_size=4, max_model_len=128,
-                            vocab_size=64, model_name="fake", eos_token_ids=[EOS])  # fmt: skip
+        return PipelineInfo(
+            num_stages=2,
+            num_blocks=64,
+            block_size=4,
+            max_model_len=128,
+            vocab_size=64,
+            model_name="fake",
+            eos_token_ids=[EOS],
+        )
 
     async def open(self) -> None:
         self.reports = asyncio.Queue()
@@ -115,9 +122,13 @@ def run_scheduler(tmp_path, observed: bool) -> int:
         service = SchedulerService(ServiceOptions(), FakePipeline(), FakeStore())
         close = lambda: None  # noqa: E731
         if observed:
-            close = scheduler_obs.install(service, service.store, free_port(),
-                                          f"file://{tmp_path}/spans.jsonl",
-                                          str(tmp_path / "events.jsonl"))  # fmt: skip
+            close = scheduler_obs.install(
+                service,
+                service.store,
+                free_port(),
+                f"file://{tmp_path}/spans.jsonl",
+                str(tmp_path / "events.jsonl"),
+            )
         await service.start()
         sampling = SamplingParams(max_tokens=5, ignore_eos=True)
         queues = [service.submit(f"r{i}", [20 + i] * 6, sampling) for i in range(3)]
@@ -160,9 +171,13 @@ class FakeSchedulerClient:
 
 def run_router(model_dir, metrics=None, tracing=None) -> tuple[FakeSchedulerClient, list]:
     client = FakeSchedulerClient()
-    core = RouterCore(tokenizer=Tokenizer.from_dir(model_dir),
-                      limits=ModelLimits(name="tiny", max_model_len=2048), scheduler=client,
-                      metrics=metrics, tracing=tracing)  # fmt: skip
+    core = RouterCore(
+        tokenizer=Tokenizer.from_dir(model_dir),
+        limits=ModelLimits(name="tiny", max_model_len=2048),
+        scheduler=client,
+        metrics=metrics,
+        tracing=tracing,
+    )
 
     async def main():
         req = core.prepare(GenerateInput(sampling=SamplingParams(max_tokens=3), text="hi"))
@@ -193,8 +208,9 @@ def test_router_observes_and_propagates_when_on(tiny_model_dir, tmp_path, calls)
     (metadata,) = client.metadata
     assert dict(metadata)["traceparent"].startswith("00-")
     assert calls["Tracer.start_span"] == 1
-    assert registry.get_sample_value("conveyor:generation_tokens_total",
-                                     {"model_name": "tiny"}) == 3  # fmt: skip
+    assert (
+        registry.get_sample_value("conveyor:generation_tokens_total", {"model_name": "tiny"}) == 3
+    )
     assert (
         registry.get_sample_value(
             "conveyor:request_success_total", {"model_name": "tiny", "finished_reason": "length"}

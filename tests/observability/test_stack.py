@@ -25,13 +25,13 @@ def run_requests(stack, tag: str, num_length: int, num_aborted: int = 0) -> dict
     with ConveyorClient(stack.router, timeout_s=120) as client:
         for i in range(num_length):
             rid = f"{tag}-len-{i}"
-            result = client.complete(PROMPTS[i % len(PROMPTS)], max_tokens=8, ignore_eos=True,
-                                     request_id=rid)  # fmt: skip
+            result = client.complete(
+                PROMPTS[i % len(PROMPTS)], max_tokens=8, ignore_eos=True, request_id=rid
+            )
             seen[rid] = (len(result.token_ids), result.usage, result.finish_reason)
         for i in range(num_aborted):
             rid = f"{tag}-abort-{i}"
-            stream = client.generate(PROMPTS[0], max_tokens=1500, ignore_eos=True,
-                                     request_id=rid)  # fmt: skip
+            stream = client.generate(PROMPTS[0], max_tokens=1500, ignore_eos=True, request_id=rid)
             first = next(stream)
             stream.close()  # cancels the call: the router aborts the request
             seen[rid] = (len(first.token_ids), None, "abort")
@@ -46,10 +46,14 @@ def test_metrics_endpoints_match_the_run(observed_stack):
 
     def router_settled():
         after = stack.scrape("router")
-        aborted = value(after, "conveyor:request_success_total", model_name="tiny",
-                        finished_reason="abort") - value(before["router"],
-                        "conveyor:request_success_total", model_name="tiny",
-                        finished_reason="abort")  # fmt: skip
+        aborted = value(
+            after, "conveyor:request_success_total", model_name="tiny", finished_reason="abort"
+        ) - value(
+            before["router"],
+            "conveyor:request_success_total",
+            model_name="tiny",
+            finished_reason="abort",
+        )
         return after if aborted >= 1 else None
 
     router = wait_for(router_settled)
@@ -68,8 +72,13 @@ def test_metrics_endpoints_match_the_run(observed_stack):
     assert delta("conveyor:e2e_request_latency_seconds_count", **model) == 5
     assert delta("conveyor:inter_token_latency_seconds_count", **model) >= 4 * 7
 
-    scheduler = wait_for(lambda: (s := stack.scrape("scheduler"))
-                         and value(s, "conveyor:num_requests_running") == 0 and s)  # fmt: skip
+    scheduler = wait_for(
+        lambda: (
+            (s := stack.scrape("scheduler"))
+            and value(s, "conveyor:num_requests_running") == 0
+            and s
+        )
+    )
     queued = value(scheduler, "conveyor:request_queue_time_seconds_count") - value(
         before["scheduler"], "conveyor:request_queue_time_seconds_count"
     )
@@ -98,15 +107,23 @@ def test_one_request_is_one_trace_across_processes(observed_stack):
 
     def router_span():
         spans = read_jsonl(stack.spans_path)
-        return next((s for s in spans if s["name"] == "conveyor.router.generate"
-                     and s["attributes"].get("conveyor.request_id") == rid), None)  # fmt: skip
+        return next(
+            (
+                s
+                for s in spans
+                if s["name"] == "conveyor.router.generate"
+                and s["attributes"].get("conveyor.request_id") == rid
+            ),
+            None,
+        )
 
     root = wait_for(router_span)
 
     def whole_trace():
         spans = [s for s in read_jsonl(stack.spans_path) if s["trace_id"] == root["trace_id"]]
-        stages = {s["attributes"]["conveyor.stage"] for s in spans
-                  if s["name"] == "conveyor.worker.step"}  # fmt: skip
+        stages = {
+            s["attributes"]["conveyor.stage"] for s in spans if s["name"] == "conveyor.worker.step"
+        }
         names = {s["name"] for s in spans}
         if stages == set(range(stack.num_stages)) and "conveyor.scheduler.request" in names:
             return spans
@@ -115,8 +132,10 @@ def test_one_request_is_one_trace_across_processes(observed_stack):
     spans = wait_for(whole_trace)
     assert root["parent_span_id"] is None
     assert {s["service"] for s in spans} == {
-        "conveyor-router", "conveyor-scheduler", "conveyor-worker",
-    }  # fmt: skip
+        "conveyor-router",
+        "conveyor-scheduler",
+        "conveyor-worker",
+    }
     (request,) = [s for s in spans if s["name"] == "conveyor.scheduler.request"]
     (queue,) = [s for s in spans if s["name"] == "conveyor.scheduler.queue"]
     steps = [s for s in spans if s["name"] == "conveyor.worker.step"]
@@ -138,8 +157,11 @@ def test_event_trace_replays_the_finish_reasons(observed_stack):
     seen = run_requests(stack, tag, num_length=3, num_aborted=1)
 
     def transitions():
-        events = [e for e in read_jsonl(stack.events_path)
-                  if e["event"] == "transition" and e["request_id"].startswith(tag)]  # fmt: skip
+        events = [
+            e
+            for e in read_jsonl(stack.events_path)
+            if e["event"] == "transition" and e["request_id"].startswith(tag)
+        ]
         finals = [e for e in events if e["to"].startswith("finished")]
         return events if len(finals) == len(seen) else None
 
@@ -161,9 +183,13 @@ def test_event_trace_replays_the_finish_reasons(observed_stack):
 
 
 def stats(stack, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "stats", "--server",
-                           stack.scheduler, *flags], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "stats", "--server", stack.scheduler, *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_stats_json_is_consistent_with_the_scheduler(observed_stack):
@@ -188,9 +214,22 @@ def test_stats_json_is_consistent_with_the_scheduler(observed_stack):
 
 
 def test_stats_watch_refreshes(observed_stack):
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "stats", "--server",
-                             observed_stack.scheduler, "--json", "--watch", "0.2"], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "stats",
+            "--server",
+            observed_stack.scheduler,
+            "--json",
+            "--watch",
+            "0.2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
     finally:
@@ -202,7 +241,20 @@ def test_stats_watch_refreshes(observed_stack):
 def test_stats_names_an_unreachable_server():
     from tests.conftest import free_port
 
-    reply = subprocess.run([sys.executable, "-m", "services.cli", "stats", "--server",
-                            f"127.0.0.1:{free_port()}", "--timeout", "1"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    reply = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "stats",
+            "--server",
+            f"127.0.0.1:{free_port()}",
+            "--timeout",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert reply.returncode == 1 and "UNAVAILABLE" in reply.stdout

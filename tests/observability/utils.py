@@ -83,15 +83,48 @@ def start_stack(model_dir: Path, workdir: Path, num_stages: int = 2) -> Observed
     metrics_port = free_port_block(2 + num_stages)
     spans, events = workdir / "spans.jsonl", workdir / "events.jsonl"
     log = (workdir / "conveyor-up.log").open("w")
-    argv = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "up",
-            "--model", str(model_dir), "--stages", str(num_stages), "--port", str(port),
-            "--scheduler-port", str(scheduler_port), "--kv-cache-memory", "16MiB",
-            "--threads", "1", "--metrics-port", str(metrics_port),
-            "--otlp-endpoint", f"file://{spans}", "--trace-scheduler", str(events)]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    stack = ObservedStack(proc, f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}",
-                          metrics_port, num_stages, spans, events)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        str(model_dir),
+        "--stages",
+        str(num_stages),
+        "--port",
+        str(port),
+        "--scheduler-port",
+        str(scheduler_port),
+        "--kv-cache-memory",
+        "16MiB",
+        "--threads",
+        "1",
+        "--metrics-port",
+        str(metrics_port),
+        "--otlp-endpoint",
+        f"file://{spans}",
+        "--trace-scheduler",
+        str(events),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    stack = ObservedStack(
+        proc,
+        f"127.0.0.1:{port}",
+        f"127.0.0.1:{scheduler_port}",
+        metrics_port,
+        num_stages,
+        spans,
+        events,
+    )
     try:
         wait_serving(stack.router, 300, proc)
     except BaseException:

@@ -11,8 +11,9 @@ from tests.router.utils import ANSWER, FakeScheduler, FakeSchedulerServer, Route
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("router") / "tiny-chat", num_layers=1,
-                           max_position_embeddings=256)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("router") / "tiny-chat", num_layers=1, max_position_embeddings=256
+    )
 
 
 @pytest.fixture(scope="session")

@@ -75,9 +75,13 @@ def test_detokenizer_state_stays_small_on_long_outputs(tiny_tok):
 
 
 @settings(max_examples=60, deadline=None)
-@given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",), exclude_characters=REPLACEMENT_CHAR),
-                    max_size=40),
-       chunk=st.integers(1, 4))  # fmt: skip
+@given(
+    text=st.text(
+        alphabet=st.characters(exclude_categories=("Cs",), exclude_characters=REPLACEMENT_CHAR),
+        max_size=40,
+    ),
+    chunk=st.integers(1, 4),
+)
 def test_detokenizer_concatenation_equals_decode_for_any_text(tiny_tok, text, chunk):
     ids = tiny_tok.encode(text, add_special_tokens=False)
     deltas = _stream(IncrementalDetokenizer(tiny_tok, skip_special_tokens=False), ids, chunk)

@@ -45,7 +45,9 @@ def test_kserve_proto_is_wire_compatible_with_tritonclient():
         assert method.input_type.full_name == theirs.input_type.full_name
         assert method.output_type.full_name == theirs.output_type.full_name
         assert (method.client_streaming, method.server_streaming) == (
-            theirs.client_streaming, theirs.server_streaming)
+            theirs.client_streaming,
+            theirs.server_streaming,
+        )
     pool = triton_pb2.DESCRIPTOR.pool
     checked = 0
     for full_name in sorted(_implemented_messages()):
@@ -54,7 +56,10 @@ def test_kserve_proto_is_wire_compatible_with_tritonclient():
         for fd in mine.fields:
             other = theirs.fields_by_name[fd.name]
             assert (fd.number, fd.type, fd.is_repeated) == (
-                other.number, other.type, other.is_repeated), f"{full_name}.{fd.name}"
+                other.number,
+                other.type,
+                other.is_repeated,
+            ), f"{full_name}.{fd.name}"
             if fd.message_type is not None:
                 assert fd.message_type.full_name == other.message_type.full_name
             checked += 1
@@ -102,8 +107,9 @@ def test_kserve_model_infer_returns_prompt_and_text(fake, triton_client, tiny_mo
     name = tiny_model_dir.name
     result = triton_client.infer(name, _inputs("Q: ", {"max_tokens": 200}))
     assert result.as_numpy("text_output")[0].decode() == "Q: " + ANSWER
-    result = triton_client.infer(name, _inputs("Q: ", {"max_tokens": 200, "stop": ["fox"]},
-                                               exclude=True))  # fmt: skip
+    result = triton_client.infer(
+        name, _inputs("Q: ", {"max_tokens": 200, "stop": ["fox"]}, exclude=True)
+    )
     assert result.as_numpy("text_output")[0].decode() == ANSWER[: ANSWER.index("fox")]
 
 
@@ -123,11 +129,14 @@ def test_kserve_stream_infer_streams_deltas_per_request(fake, triton_client, tin
     try:
         for request_id in ("a", "b"):
             triton_client.async_stream_infer(
-                tiny_model_dir.name, _inputs("Q", {"max_tokens": 200}, stream=True),
-                request_id=request_id, enable_empty_final_response=True)
-        triton_client.async_stream_infer(tiny_model_dir.name,
-                                         _inputs("Q", {"top_p": 7}, stream=True),
-                                         request_id="bad")  # fmt: skip
+                tiny_model_dir.name,
+                _inputs("Q", {"max_tokens": 200}, stream=True),
+                request_id=request_id,
+                enable_empty_final_response=True,
+            )
+        triton_client.async_stream_infer(
+            tiny_model_dir.name, _inputs("Q", {"top_p": 7}, stream=True), request_id="bad"
+        )
         texts = {"a": [], "b": []}
         finals, errors = set(), []
         while len(finals) < 2 or not errors:

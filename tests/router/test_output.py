@@ -8,9 +8,13 @@ from services.router.request import PreparedRequest
 
 
 def _builder(tokenizer, stop=(), include=False):
-    req = PreparedRequest(request_id="r", prompt_ids=tokenizer.encode("Say:"),
-                          sampling=SamplingParams(), stop=list(stop),
-                          include_stop_str_in_output=include)  # fmt: skip
+    req = PreparedRequest(
+        request_id="r",
+        prompt_ids=tokenizer.encode("Say:"),
+        sampling=SamplingParams(),
+        stop=list(stop),
+        include_stop_str_in_output=include,
+    )
     return OutputBuilder.for_request(tokenizer, req)
 
 
@@ -19,8 +23,9 @@ def _feed(builder, ids, per_delta=1, finish="length"):
     for offset in range(0, len(ids), per_delta):
         chunk = ids[offset : offset + per_delta]
         last = offset + per_delta >= len(ids)
-        out = builder.add(SchedulerDelta(offset=offset, token_ids=chunk,
-                                         finish_reason=finish if last else None))  # fmt: skip
+        out = builder.add(
+            SchedulerDelta(offset=offset, token_ids=chunk, finish_reason=finish if last else None)
+        )
         if out is not None:
             outs.append(out)
         if builder.is_finished:

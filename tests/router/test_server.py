@@ -23,19 +23,30 @@ def test_router_streams_text_and_usage(fake, client, tiny_tokenizer):
     assert all("\ufffd" not in d.text for d in deltas)
     ids = [i for d in deltas for i in d.token_ids]
     assert ids == fake.answer_ids
-    assert [d.offset for d in deltas] == [sum(len(x.token_ids) for x in deltas[:k])
-                                          for k in range(len(deltas))]  # fmt: skip
+    assert [d.offset for d in deltas] == [
+        sum(len(x.token_ids) for x in deltas[:k]) for k in range(len(deltas))
+    ]
     last = deltas[-1]
     assert last.finish_reason == "stop"
     prompt_ids = tiny_tokenizer.encode("Say hi")
-    assert last.usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                          "cached_tokens": 0}  # fmt: skip
+    assert last.usage == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+    }
     assert list(fake.submits[-1].prompt_token_ids) == prompt_ids
 
 
 def test_router_passes_sampling_and_chat_to_scheduler(fake, client, tiny_tokenizer):
-    result = client.complete(chat=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                             temperature=0.7, top_k=5, seed=3, priority=2, tenant="t1")
+    result = client.complete(
+        chat=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0.7,
+        top_k=5,
+        seed=3,
+        priority=2,
+        tenant="t1",
+    )
     assert result.finish_reason == "length" and len(result.token_ids) == 4
     sent = fake.submits[-1]
     rendered = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
@@ -65,18 +76,23 @@ def test_router_client_cancel_aborts_request(fake, client):
 
 def test_router_deadline_aborts_request(fake, router):
     fake.reset(mode="endless", delay_s=0.01)
-    with ConveyorClient(router.address, timeout_s=0.5) as short, \
-            pytest.raises(grpc.RpcError) as info:
+    with (
+        ConveyorClient(router.address, timeout_s=0.5) as short,
+        pytest.raises(grpc.RpcError) as info,
+    ):
         short.complete("x", max_tokens=200, request_id="deadline-1")
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: "deadline-1" in fake.aborts, what="abort after the deadline")
 
 
-@pytest.mark.parametrize("code, hint", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "retry with backoff"),
-    (grpc.StatusCode.UNAVAILABLE, "retry when `conveyor health` reports SERVING"),
-    (grpc.StatusCode.ALREADY_EXISTS, "request ids must be unique"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "code, hint",
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "retry with backoff"),
+        (grpc.StatusCode.UNAVAILABLE, "retry when `conveyor health` reports SERVING"),
+        (grpc.StatusCode.ALREADY_EXISTS, "request ids must be unique"),
+    ],
+)
 def test_router_passes_scheduler_errors_through(fake, client, code, hint):
     fake.reset(mode=code, error_message="queue has 8 waiting requests (max 8)")
     with pytest.raises(grpc.RpcError) as info:
@@ -115,21 +131,29 @@ def test_router_tokenize_and_list_models(client, tiny_tokenizer, tiny_model_dir)
 def test_router_health_follows_scheduler(scheduler_server, router, fake):
     def status():
         with grpc.insecure_channel(router.address) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                             timeout=5).status
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                .status
+            )
+
     scheduler_server.set_serving(False)
-    wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING,
-               what="router NOT_SERVING")
+    wait_until(
+        lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, what="router NOT_SERVING"
+    )
     scheduler_server.set_serving(True)
     wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, what="router SERVING")
 
 
 def test_two_routers_share_one_scheduler(fake, scheduler_server, router, tiny_model_dir):
-    second = RouterProcess(scheduler_server.address, tiny_model_dir,
-                           "--served-model-name", "other-name").wait_serving()
+    second = RouterProcess(
+        scheduler_server.address, tiny_model_dir, "--served-model-name", "other-name"
+    ).wait_serving()
     try:
-        with ConveyorClient(second.address, timeout_s=30) as other, \
-                ConveyorClient(router.address, timeout_s=30) as first:
+        with (
+            ConveyorClient(second.address, timeout_s=30) as other,
+            ConveyorClient(router.address, timeout_s=30) as first,
+        ):
             a = first.complete("x", max_tokens=200, request_id="two-a")
             b = other.complete("x", max_tokens=200, request_id="two-b", model="other-name")
             assert a.text == b.text == ANSWER

@@ -22,26 +22,37 @@ def _prepare(tokenizer, **fields):
     return prepare(input_from_pb(msg), tokenizer, LIMITS)
 
 
-@pytest.mark.parametrize("fields, expected", [
-    ({}, "prompt is missing"),
-    ({"text": ""}, "text is empty"),
-    ({"text": "hi", "sampling": {"temperature": -0.5}}, "temperature=-0.5 is out of range"),
-    ({"text": "hi", "sampling": {"top_p": 1.5}}, "top_p=1.5 is out of range: must be in (0, 1]"),
-    ({"text": "hi", "sampling": {"top_p": -0.1}}, "top_p=-0.1"),
-    ({"text": "hi", "sampling": {"top_k": -3}}, "top_k=-3 is out of range"),
-    ({"text": "hi", "sampling": {"min_p": 2.0}}, "min_p=2.0 is out of range"),
-    ({"text": "hi", "sampling": {"presence_penalty": 3.0}}, "presence_penalty=3.0"),
-    ({"text": "hi", "sampling": {"logprobs": 50}}, "logprobs=50 is out of range"),
-    ({"text": "hi", "model": "gpt-4"}, "model='gpt-4' is not served here"),
-    ({"text": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop has 5 strings, too many: at most 4"),
-    ({"text": "hi", "stop": ["ok", ""]}, "stop[1] is empty"),
-    ({"text": "hi", "request_id": "bad id!"}, "request_id='bad id!' is not allowed"),
-    ({"token_ids": generation_pb2.TokenIds(ids=[])}, "token_ids is empty"),
-    ({"token_ids": generation_pb2.TokenIds(ids=[1, 99999])}, "token_ids contains 99999"),
-    ({"chat": generation_pb2.Chat()}, "chat.messages is empty"),
-    ({"chat": generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="robot")])},
-     "chat.messages[0].role='robot' is not allowed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({}, "prompt is missing"),
+        ({"text": ""}, "text is empty"),
+        ({"text": "hi", "sampling": {"temperature": -0.5}}, "temperature=-0.5 is out of range"),
+        (
+            {"text": "hi", "sampling": {"top_p": 1.5}},
+            "top_p=1.5 is out of range: must be in (0, 1]",
+        ),
+        ({"text": "hi", "sampling": {"top_p": -0.1}}, "top_p=-0.1"),
+        ({"text": "hi", "sampling": {"top_k": -3}}, "top_k=-3 is out of range"),
+        ({"text": "hi", "sampling": {"min_p": 2.0}}, "min_p=2.0 is out of range"),
+        ({"text": "hi", "sampling": {"presence_penalty": 3.0}}, "presence_penalty=3.0"),
+        ({"text": "hi", "sampling": {"logprobs": 50}}, "logprobs=50 is out of range"),
+        ({"text": "hi", "model": "gpt-4"}, "model='gpt-4' is not served here"),
+        (
+            {"text": "hi", "stop": ["a", "b", "c", "d", "e"]},
+            "stop has 5 strings, too many: at most 4",
+        ),
+        ({"text": "hi", "stop": ["ok", ""]}, "stop[1] is empty"),
+        ({"text": "hi", "request_id": "bad id!"}, "request_id='bad id!' is not allowed"),
+        ({"token_ids": generation_pb2.TokenIds(ids=[])}, "token_ids is empty"),
+        ({"token_ids": generation_pb2.TokenIds(ids=[1, 99999])}, "token_ids contains 99999"),
+        ({"chat": generation_pb2.Chat()}, "chat.messages is empty"),
+        (
+            {"chat": generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="robot")])},
+            "chat.messages[0].role='robot' is not allowed",
+        ),
+    ],
+)
 def test_prepare_rejects_field_with_its_name(tiny_tokenizer, fields, expected):
     with pytest.raises(InvalidRequest) as info:
         _prepare(tiny_tokenizer, **fields)
@@ -87,9 +98,14 @@ def _bytes(text: str) -> tuple[str, bytes]:
 
 def test_kserve_request_reads_triton_llm_tensors():
     params = json.dumps({"temperature": "0.5", "max_tokens": 7, "stop": "END", "top_p": 0.9})
-    decoded = request_from_pb(_kserve(text_input=_bytes("Hello"), stream=("BOOL", b"\x01"),
-                                      sampling_parameters=_bytes(params),
-                                      exclude_input_in_output=("BOOL", b"\x01")))  # fmt: skip
+    decoded = request_from_pb(
+        _kserve(
+            text_input=_bytes("Hello"),
+            stream=("BOOL", b"\x01"),
+            sampling_parameters=_bytes(params),
+            exclude_input_in_output=("BOOL", b"\x01"),
+        )
+    )
     assert decoded.generate.text == "Hello" and decoded.is_stream
     assert decoded.exclude_input_in_output is True
     sampling = decoded.generate.sampling
@@ -97,15 +113,20 @@ def test_kserve_request_reads_triton_llm_tensors():
     assert decoded.generate.stop == ["END"]
 
 
-@pytest.mark.parametrize("tensors, expected", [
-    ({}, "input 'text_input' (BYTES) is missing"),
-    ({"text_input": _bytes("hi"), "sampling_parameters": _bytes("{bad")}, "not valid JSON"),
-    ({"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"beam_width": 2}')},
-     "sampling_parameters.beam_width is not supported"),
-    ({"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"top_p": 2}')}, "top_p=2.0"),
-    ({"text_input": ("BYTES", b"\x09\x00\x00\x00ab")}, "past the end"),
-    ({"text_input": _bytes("hi"), "weird": _bytes("x")}, "input 'weird' is not supported"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tensors, expected",
+    [
+        ({}, "input 'text_input' (BYTES) is missing"),
+        ({"text_input": _bytes("hi"), "sampling_parameters": _bytes("{bad")}, "not valid JSON"),
+        (
+            {"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"beam_width": 2}')},
+            "sampling_parameters.beam_width is not supported",
+        ),
+        ({"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"top_p": 2}')}, "top_p=2.0"),
+        ({"text_input": ("BYTES", b"\x09\x00\x00\x00ab")}, "past the end"),
+        ({"text_input": _bytes("hi"), "weird": _bytes("x")}, "input 'weird' is not supported"),
+    ],
+)
 def test_kserve_request_rejects_bad_tensors(tensors, expected):
     with pytest.raises(InvalidRequest) as info:
         request_from_pb(_kserve(**tensors))

@@ -59,19 +59,28 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if self.mode == "endless":
             return [self.answer_ids[i % len(self.answer_ids)] for i in range(100_000)], 0
         ids = self.answer_ids[:max_tokens]
-        reason = common_pb2.FINISH_REASON_LENGTH if len(ids) == max_tokens else \
-            common_pb2.FINISH_REASON_STOP  # fmt: skip
+        reason = (
+            common_pb2.FINISH_REASON_LENGTH
+            if len(ids) == max_tokens
+            else common_pb2.FINISH_REASON_STOP
+        )
         return ids, reason
 
     async def _deltas(self, req, start: int, context):
         ids, reason = self._ids(req)
         for offset in range(start, len(ids), self.ids_per_delta):
             if req.request_id in self.aborts:
-                yield scheduler_pb2.TokenDelta(request_id=req.request_id, offset=offset,
-                                               finish_reason=common_pb2.FINISH_REASON_ABORT)
+                yield scheduler_pb2.TokenDelta(
+                    request_id=req.request_id,
+                    offset=offset,
+                    finish_reason=common_pb2.FINISH_REASON_ABORT,
+                )
                 return
-            if (self.mode == "break" and offset >= self.break_after
-                    and req.request_id not in self._broken):
+            if (
+                self.mode == "break"
+                and offset >= self.break_after
+                and req.request_id not in self._broken
+            ):
                 self._broken.add(req.request_id)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler restarting")
             if self.delay_s:
@@ -79,18 +88,21 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             chunk = ids[offset : offset + self.ids_per_delta]
             last = offset + len(chunk) >= len(ids)
             yield scheduler_pb2.TokenDelta(
-                request_id=req.request_id, offset=offset, token_ids=chunk,
+                request_id=req.request_id,
+                offset=offset,
+                token_ids=chunk,
                 finish_reason=reason if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                 num_prompt_tokens=len(req.prompt_token_ids) if offset == 0 else 0,
-            )  # fmt: skip
+            )
 
     async def Submit(self, request, context):
         self.submits.append(request)
         if isinstance(self.mode, grpc.StatusCode):
             await context.abort(self.mode, self.error_message)
         if request.request_id in self._known:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request {request.request_id} exists")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} exists"
+            )
         self._known[request.request_id] = request
         async for delta in self._deltas(request, 0, context):
             yield delta
@@ -141,8 +153,11 @@ class FakeSchedulerServer:
         await self.server.start()
 
     def set_serving(self, is_serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if is_serving else \
-            health_pb2.HealthCheckResponse.NOT_SERVING  # fmt: skip
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         self._call(self.health.set("", status))
 
     def stop(self) -> None:
@@ -167,9 +182,21 @@ class RouterProcess:
     def __init__(self, scheduler_address: str, model_dir: Path, *extra: str):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "services.cli", "router", "--scheduler", scheduler_address,
-                "--model", str(model_dir), "--port", str(self.port), "--resume-timeout", "10",
-                *extra]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "router",
+            "--scheduler",
+            scheduler_address,
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--resume-timeout",
+            "10",
+            *extra,
+        ]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env)
 

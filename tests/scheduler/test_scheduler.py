@@ -145,9 +145,13 @@ def test_schedule_random_workloads_keep_every_rule_and_produce_exact_outputs(wor
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
 def test_schedule_preemption_under_a_tiny_pool_still_finishes_every_request(scheduling):
     config = make_config(
-        num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=8, scheduling=scheduling,
+        num_blocks=8,
+        block_size=4,
+        max_model_len=32,
+        max_num_seqs=8,
+        scheduling=scheduling,
         num_stages=2,
-    )  # fmt: skip
+    )
     requests = [make_request(f"r{i}", 10, 12, ignore_eos=True, priority=i % 3) for i in range(10)]
     expected = {r.request_id: expected_output(r, config.max_model_len) for r in requests}
     scheduler, _, trace = _run(config, requests, result_delay=3)

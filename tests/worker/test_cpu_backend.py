@@ -10,8 +10,9 @@ import torch
 from services.worker.attention import cpu_backend, torch_backend
 
 
-def paged_decode_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens,
-                      seed=0, key_scale=1.0):  # fmt: skip
+def paged_decode_case(
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, seq_lens, seed=0, key_scale=1.0
+):
     """Random caches in shuffled blocks; returns the arguments of decode_attention."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)

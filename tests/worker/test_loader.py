@@ -143,8 +143,14 @@ def test_config_unsupported_architecture_is_named(model_dir, tmp_path):
 
 
 def test_config_reads_rope_from_either_transformers_layout():
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
     v5 = ModelConfig.from_dict({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}})
     v4 = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": LLAMA3_ROPE})
     legacy = ModelConfig.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})

@@ -23,8 +23,9 @@ def test_packed_linear_equals_f_linear(rows, bias):
     weight = torch.randn(96, 40, generator=gen)
     b = torch.randn(96, generator=gen) if bias else None
     x = torch.randn(rows, 40, generator=gen)
-    torch.testing.assert_close(PackedLinear(weight, b)(x), F.linear(x, weight, b),
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        PackedLinear(weight, b)(x), F.linear(x, weight, b), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_packed_linear_bfloat16():

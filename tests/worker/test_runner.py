@@ -51,13 +51,24 @@ def reference(name: str, tmp_path_factory) -> tuple:
     return _cache[name]
 
 
-def run_and_compare(ref, num_stages=1, chunk_size=None, block_size=16, shuffle_seed=None,
-                    async_mode=False, fast_cpu=False) -> None:  # fmt: skip
+def run_and_compare(
+    ref,
+    num_stages=1,
+    chunk_size=None,
+    block_size=16,
+    shuffle_seed=None,
+    async_mode=False,
+    fast_cpu=False,
+) -> None:
     model_dir, prompts, ref_tokens, ref_logits = ref
     runners = make_runners(
-        model_dir, num_stages, block_size, num_blocks=512 // block_size * 8,
-        attention_backend="cpu" if fast_cpu else "torch", onednn=fast_cpu,
-    )  # fmt: skip
+        model_dir,
+        num_stages,
+        block_size,
+        num_blocks=512 // block_size * 8,
+        attention_backend="cpu" if fast_cpu else "torch",
+        onednn=fast_cpu,
+    )
     planner = TinyPlanner(block_size, 512 // block_size * 8, chunk_size, shuffle_seed, async_mode)
     for i, prompt in enumerate(prompts):
         planner.add(f"req-{i}", prompt, NUM_NEW, arrival_step=i // 3)
@@ -102,9 +113,12 @@ def test_runner_on_cpu_kernels_equals_transformers(name, num_stages, chunk_size,
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_runner_block_size_and_shuffled_blocks_do_not_change_tokens(block_size, tmp_path_factory):
     run_and_compare(
-        reference("llama-gqa2-tied", tmp_path_factory), num_stages=2, chunk_size=11,
-        block_size=block_size, shuffle_seed=block_size,
-    )  # fmt: skip
+        reference("llama-gqa2-tied", tmp_path_factory),
+        num_stages=2,
+        chunk_size=11,
+        block_size=block_size,
+        shuffle_seed=block_size,
+    )
 
 
 def test_runner_async_mode_takes_decode_inputs_from_last_stage(tmp_path_factory):

@@ -52,9 +52,13 @@ def test_smollm2_greedy_equals_transformers(
     """fast_cpu: oneDNN matmuls and the C++ decode attention, as a CPU worker runs them."""
     ref_tokens, ref_logits = reference
     runners = make_runners(
-        smollm2_dir, num_stages, block_size=16, num_blocks=64,
-        attention_backend="cpu" if fast_cpu else "torch", onednn=fast_cpu,
-    )  # fmt: skip
+        smollm2_dir,
+        num_stages,
+        block_size=16,
+        num_blocks=64,
+        attention_backend="cpu" if fast_cpu else "torch",
+        onednn=fast_cpu,
+    )
     planner = TinyPlanner(16, 64, chunk_size=chunk_size, shuffle_seed=7)
     for i, prompt in enumerate(prompts):
         planner.add(f"req-{i}", prompt, NUM_NEW, arrival_step=i // 2)

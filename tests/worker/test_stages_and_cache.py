@@ -29,8 +29,11 @@ def test_split_layers_even_with_remainder_before_last(num_layers, num_stages, ex
 def test_stage_spec_covers_every_layer_once():
     specs = [stage_spec(30, 4, i, [5, 10, 10, 5]) for i in range(4)]
     assert [list(s.layer_ids) for s in specs] == [
-        list(range(0, 5)), list(range(5, 15)), list(range(15, 25)), list(range(25, 30)),
-    ]  # fmt: skip
+        list(range(0, 5)),
+        list(range(5, 15)),
+        list(range(15, 25)),
+        list(range(25, 30)),
+    ]
     assert specs[0].is_first and specs[-1].is_last and not specs[1].is_last
 
 

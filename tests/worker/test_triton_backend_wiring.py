@@ -45,9 +45,12 @@ def test_triton_backend_gives_the_torch_backend_tokens(tmp_path):
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(model_dir)], env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", SCRIPT, str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["torch"]

@@ -17,15 +17,23 @@ from services.worker.model.stages import stage_spec
 from services.worker.runner import StageRunner
 
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
-}  # fmt: skip
+}
 
 
 def make_tiny_model(
-    out_dir: Path, arch: str = "llama", num_kv_heads: int = 2, tied: bool = False,
-    rope_scaling: dict | None = None, num_layers: int = 3, seed: int = 0,
-) -> Path:  # fmt: skip
+    out_dir: Path,
+    arch: str = "llama",
+    num_kv_heads: int = 2,
+    tied: bool = False,
+    rope_scaling: dict | None = None,
+    num_layers: int = 3,
+    seed: int = 0,
+) -> Path:
     """Save a seeded random fp32 model with HF itself; 4 query heads of dim 16."""
     import transformers
 
@@ -36,11 +44,19 @@ def make_tiny_model(
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
-        tie_word_embeddings=tied, initializer_range=0.1, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if rope_scaling is not None:
         kwargs.update(rope_scaling=rope_scaling, rope_theta=500000.0)
     if arch == "mistral":
@@ -63,10 +79,15 @@ def make_prompts(num: int, vocab: int = 256, min_len: int = 3, max_len: int = 40
 
 
 def make_runners(
-    model_dir: Path, num_stages: int = 1, block_size: int = 16, num_blocks: int = 128,
-    layer_split: list[int] | None = None, dtype: str = "float32",
-    attention_backend: str = "torch", onednn: bool = False,
-) -> list[StageRunner]:  # fmt: skip
+    model_dir: Path,
+    num_stages: int = 1,
+    block_size: int = 16,
+    num_blocks: int = 128,
+    layer_split: list[int] | None = None,
+    dtype: str = "float32",
+    attention_backend: str = "torch",
+    onednn: bool = False,
+) -> list[StageRunner]:
     """One StageRunner per stage, in-process; by default on the torch reference paths,
     `attention_backend="cpu", onednn=True` is what a CPU worker runs."""
     config = ModelConfig.from_dir(model_dir)
@@ -77,9 +98,12 @@ def make_runners(
         if onednn:
             model.use_onednn()
         spec = KVCacheSpec(
-            stage.num_layers, config.num_key_value_heads, config.head_dim, block_size,
+            stage.num_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            block_size,
             resolve_dtype(dtype),
-        )  # fmt: skip
+        )
         runners.append(StageRunner(model, KVCache(spec, num_blocks)))
     return runners
 
@@ -102,8 +126,14 @@ class _Req:
 class TinyPlanner:
     """A minimal sync-mode scheduler: chunked prefill, one decode per step, shuffled blocks."""
 
-    def __init__(self, block_size: int, num_blocks: int, chunk_size: int | None = None,
-                 shuffle_seed: int | None = None, async_mode: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        chunk_size: int | None = None,
+        shuffle_seed: int | None = None,
+        async_mode: bool = False,
+    ) -> None:
         self.block_size, self.chunk_size = block_size, chunk_size
         self.async_mode = async_mode
         self.free = list(range(num_blocks))
@@ -115,12 +145,22 @@ class TinyPlanner:
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.outputs: dict[str, list[int]] = {}
 
-    def add(self, request_id: str, prompt: list[int], max_new: int, arrival_step: int = 0,
-            sampling: SamplingParams | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_new: int,
+        arrival_step: int = 0,
+        sampling: SamplingParams | None = None,
+    ) -> None:
         self.requests[request_id] = _Req(
-            request_id, list(prompt), len(prompt), max_new, sampling or SamplingParams(max_tokens=max_new),
+            request_id,
+            list(prompt),
+            len(prompt),
+            max_new,
+            sampling or SamplingParams(max_tokens=max_new),
             arrival_step,
-        )  # fmt: skip
+        )
         self.logits[request_id] = []
 
     @property
@@ -143,10 +183,17 @@ class TinyPlanner:
             new_blocks = [self.free.pop() for _ in range(needed - len(req.blocks))]
             req.blocks.extend(new_blocks)
             if not req.is_known:
-                plan.new_requests.append(NewRequest(
-                    req.request_id, list(req.tokens), req.num_prompt, req.sampling,
-                    list(req.blocks), req.num_computed, num,
-                ))  # fmt: skip
+                plan.new_requests.append(
+                    NewRequest(
+                        req.request_id,
+                        list(req.tokens),
+                        req.num_prompt,
+                        req.sampling,
+                        list(req.blocks),
+                        req.num_computed,
+                        num,
+                    )
+                )
                 req.is_known = True
             else:
                 new_tokens = [] if self.async_mode else req.tokens[req.num_sent :]
@@ -216,8 +263,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int, use_cache
     return all_tokens, all_logits
 
 
-def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor],
-                   tie_margin: float) -> int:  # fmt: skip
+def compare_greedy(
+    ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], tie_margin: float
+) -> int:
     """Number of tokens that match; a first mismatch is accepted only at a near-tie of HF's
     top-2 logits (margin < tie_margin), and comparison stops there."""
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):

@@ -71,8 +71,13 @@ def load_kernels():
     name = f"conveyor_cpu_attention_{arch}"
     start = time.monotonic()
     try:
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-                      build_directory=str(build_directory(name)), verbose=False)  # fmt: skip
+        module = load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            build_directory=str(build_directory(name)),
+            verbose=False,
+        )
     except Exception as exc:  # compiler, headers or ninja missing: say what to do
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ConfigError(
@@ -95,24 +100,36 @@ def available() -> bool:
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """torch_backend.decode_attention on the C++ kernel (float32 caches)."""
     if k_cache.dtype != torch.float32 or k_cache.device.type != "cpu":
         return torch_backend.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = load_kernels().paged_decode_attention(
-        q.to(torch.float32).contiguous(), k_cache, v_cache,
-        block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), scale,
-    )  # fmt: skip
+        q.to(torch.float32).contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        scale,
+    )
     return out.to(q.dtype)
 
 
 def paged_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Same contract as torch_backend.paged_attention_forward."""
     return torch_backend.paged_attention_forward(
         q, k, v, k_cache, v_cache, meta, scale, decode=decode_attention

@@ -27,9 +27,12 @@ DecodeFn = Callable[..., torch.Tensor]
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:  # fmt: skip
+) -> None:
     """Store k, v [T, Hkv, D] in the caches [N, bs, Hkv, D] at slots [T]."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -37,10 +40,15 @@ def write_kv(
 
 
 def paged_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float, decode: DecodeFn | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeFn | None = None,
+) -> torch.Tensor:
     """Write k, v into the cache, then attend q [T, Hq, D] over the paged context.
 
     Each row sees its own sequence's tokens up to and including its position (causal within
@@ -59,9 +67,13 @@ def paged_attention_forward(
     decode_seqs = is_decode.nonzero().squeeze(1)
     decode_rows = meta.query_start_loc[:-1].long()[decode_seqs]
     out[decode_rows] = decode(
-        q[decode_rows], k_cache, v_cache, meta.block_tables[decode_seqs],
-        meta.seq_lens[decode_seqs], scale,
-    )  # fmt: skip
+        q[decode_rows],
+        k_cache,
+        v_cache,
+        meta.block_tables[decode_seqs],
+        meta.seq_lens[decode_seqs],
+        scale,
+    )
     chunk_seqs = (~is_decode).nonzero().squeeze(1)
     rows, result = _chunks_subset(q, k_cache, v_cache, meta, chunk_seqs, scale)
     out[rows] = result
@@ -82,9 +94,13 @@ def gather_context(
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> [B, Hq, D] (the reference)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -101,9 +117,13 @@ def decode_attention(
 
 
 def _chunks_subset(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, seq_ids: torch.Tensor, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq_ids: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention for the sequences `seq_ids` only; returns (their rows [T'], output)."""
     starts = meta.query_start_loc[:-1].long()[seq_ids]
     lens = meta.query_lens.long()[seq_ids]
@@ -121,9 +141,12 @@ def _chunks_subset(
 
 
 def _chunks(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """General case: q [T, Hq, D] rows of chunks, padded to [B, Qmax] for one batched call."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

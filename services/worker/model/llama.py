@@ -72,9 +72,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # [T, Hq, D]
@@ -103,9 +106,12 @@ class StageModel(nn.Module):
     """The layers of one pipeline stage, plus embedding (first) and norm/lm_head (last)."""
 
     def __init__(
-        self, config: ModelConfig, stage: StageSpec, attention_backend: str = "torch",
+        self,
+        config: ModelConfig,
+        stage: StageSpec,
+        attention_backend: str = "torch",
         max_positions: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.config, self.stage = config, stage
         attention_fn = load_attention_backend(attention_backend)
@@ -132,13 +138,19 @@ class StageModel(nn.Module):
         if self.lm_head_weight is not None:
             self.lm_head = PackedLinear(self.lm_head_weight)
             self.lm_head_weight = None  # the embedding keeps its own weight when tied
-        logger.info("stage %d: %d matmuls on oneDNN", self.stage.stage_index,
-                    swapped + (self.lm_head is not None))  # fmt: skip
+        logger.info(
+            "stage %d: %d matmuls on oneDNN",
+            self.stage.stage_index,
+            swapped + (self.lm_head is not None),
+        )
 
     def forward(
-        self, meta: AttentionMetadata, kv_caches: KVCaches,
-        input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run this stage's layers: token ids [T] (first stage) or hidden [T, hidden] in,
         hidden [T, hidden] out (before the final norm on the last stage)."""
         if self.stage.is_first:

@@ -92,10 +92,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_stage_model(
-    model_dir: str | Path, stage: StageSpec, dtype: str = "float32",
-    attention_backend: str = "torch", max_positions: int | None = None,
+    model_dir: str | Path,
+    stage: StageSpec,
+    dtype: str = "float32",
+    attention_backend: str = "torch",
+    max_positions: int | None = None,
     reader: SafetensorsReader | None = None,
-) -> StageModel:  # fmt: skip
+) -> StageModel:
     """Build the StageModel of `stage` and fill it from `model_dir` (only its tensors)."""
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype)
@@ -109,9 +112,13 @@ def load_stage_model(
         reader.close()
     logger.info(
         "loaded stage %d/%d (layers %d..%d, %d tensors) from %s",
-        stage.stage_index, stage.num_stages, stage.layer_start, stage.layer_end - 1,
-        len(reader.names_read), model_dir,
-    )  # fmt: skip
+        stage.stage_index,
+        stage.num_stages,
+        stage.layer_start,
+        stage.layer_end - 1,
+        len(reader.names_read),
+        model_dir,
+    )
     return model.eval()
 
 
@@ -148,9 +155,9 @@ def _fill_layer(layer, prefix: str, config: ModelConfig, reader, dtype) -> None:
         get("post_attention_layernorm.weight", (hidden,))
     )
     sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-    attn.qkv_proj.weight = _param(torch.cat(
-        [get(f"self_attn.{n}.weight", (s, hidden)) for n, s in sizes.items()]
-    ))  # fmt: skip
+    attn.qkv_proj.weight = _param(
+        torch.cat([get(f"self_attn.{n}.weight", (s, hidden)) for n, s in sizes.items()])
+    )
     if config.qkv_bias:
         attn.qkv_proj.bias = _param(
             torch.cat([get(f"self_attn.{n}.bias", (s,)) for n, s in sizes.items()])

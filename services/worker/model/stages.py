@@ -58,9 +58,11 @@ def logits_layer_equivalents(
 
 
 def split_layers(
-    num_layers: int, num_stages: int, layer_split: list[int] | None = None,
+    num_layers: int,
+    num_stages: int,
+    layer_split: list[int] | None = None,
     last_stage_extra: float = 0.0,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Number of layers per stage; raises ConfigError naming the bad value.
 
     `last_stage_extra`: the last stage's additional work in layer equivalents (0 splits
@@ -105,7 +107,10 @@ def _check_split(num_layers: int, num_stages: int, split: list[int]) -> list[int
 
 
 def stage_spec(
-    num_layers: int, num_stages: int, stage_index: int, layer_split: list[int] | None = None,
+    num_layers: int,
+    num_stages: int,
+    stage_index: int,
+    layer_split: list[int] | None = None,
     last_stage_extra: float = 0.0,
 ) -> StageSpec:
     """The StageSpec of stage `stage_index` in a pipeline of `num_stages`."""

@@ -18,7 +18,7 @@ model: install
 test: install model
 	$(PY) -m pytest -q -ra
 
-LINT_PATHS := services kernels tests bench
+LINT_PATHS := services kernels tests
 
 lint: install
 	$(PY) -m ruff format --check $(LINT_PATHS)

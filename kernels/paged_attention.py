@@ -33,7 +33,7 @@ from kernels._checks import (
     is_interpreted,
     next_power_of_2,
 )
-from services.worker.attention.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata
 
 
 def paged_attention_ref(

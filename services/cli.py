@@ -10,7 +10,9 @@ import argparse
 import importlib
 import sys
 
+from services.common.errors import ConfigError
 from services.common.logs import setup_logging
+from services.common.process import die_with_parent
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.launcher import die_with_parent
-
     die_with_parent()  # no-op unless started by `conveyor up` (or the tests) as a child
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, json_lines=args.log_json)
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except ConfigError as exc:  # a bad flag or value: say which, no traceback
+        print(f"conveyor {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

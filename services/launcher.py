@@ -9,8 +9,6 @@ left behind.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,36 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads, stage_cpus
+from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-PARENT_ENV = "CONVEYOR_DIE_WITH_PARENT"
-
-
-def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a child that must not outlive this process (see `die_with_parent`).
-
-    No preexec_fn: running Python between fork and exec is unsafe in a process whose gRPC
-    threads are live (it aborted children here)."""
-    env = dict(os.environ if env is None else env)
-    env[PARENT_ENV] = str(os.getpid())
-    return env
-
-
-def die_with_parent() -> None:
-    """Called first thing in a child started with `child_env`: SIGTERM when the parent dies
-    (Linux PR_SET_PDEATHSIG), or exit now if it is already gone."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):
-        sys.exit(f"parent process {parent} is gone")
 
 
 class StackStopped(Exception):
@@ -204,22 +176,20 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         argv += _observability_args(args, 1)
         scheduler = stack.spawn("scheduler", argv, env)
         wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop)
-        public_addr = scheduler_addr
-        if _has_router():
-            argv = [
-                "router",
-                "--scheduler",
-                scheduler_addr,
-                "--model",
-                args.model,
-                "--port",
-                str(args.port),
-                *_observability_args(args, 0),
-                *args.router_args,
-            ]
-            router = stack.spawn("router", argv, env)
-            public_addr = f"127.0.0.1:{args.port}"
-            wait_serving(public_addr, args.startup_timeout, router, should_stop)
+        argv = [
+            "router",
+            "--scheduler",
+            scheduler_addr,
+            "--model",
+            args.model,
+            "--port",
+            str(args.port),
+            *_observability_args(args, 0),
+            *args.router_args,
+        ]
+        router = stack.spawn("router", argv, env)
+        public_addr = f"127.0.0.1:{args.port}"
+        wait_serving(public_addr, args.startup_timeout, router, should_stop)
         return stack, public_addr
     except BaseException:
         stack.stop()
@@ -235,12 +205,6 @@ def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
     if args.otlp_endpoint:
         argv += ["--otlp-endpoint", args.otlp_endpoint]
     return argv
-
-
-def _has_router() -> bool:
-    from services.cli import COMMANDS
-
-    return "router" in COMMANDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,5 +52,9 @@ class PipelineUnavailable(ConveyorError):
     """No whole pipeline can serve right now (gRPC UNAVAILABLE)."""
 
 
+class RequestFailed(ConveyorError):
+    """The pipeline gave up on a request (gRPC INTERNAL, with the stage's reason)."""
+
+
 class StateStoreError(ConveyorError):
     """Redis could not be reached or answered an error; state is left as it was."""

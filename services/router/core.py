@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.router.errors import RequestFailed
+from services.common.errors import RequestFailed
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
 from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare

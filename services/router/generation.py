@@ -9,7 +9,6 @@ from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
-from services.router.errors import grpc_errors
 from services.router.output import OutputDelta
 from services.router.request import ChatTurn, GenerateInput, check_model, tokenize_prompt
 
@@ -67,13 +66,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: RouterCore):
         self.core = core
 
-    @grpc_errors
     async def Generate(self, request, context):
         prepared = self.core.prepare(input_from_pb(request))
         async for out in self.core.generate(prepared):
             yield output_to_pb(prepared.request_id, out)
 
-    @grpc_errors
     async def Tokenize(self, request, context):
         check_model(request.model, self.core.limits)
         which = request.WhichOneof("input")
@@ -89,7 +86,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids=token_ids, max_model_len=self.core.limits.max_model_len
         )
 
-    @grpc_errors
     async def ListModels(self, request, context):
         limits = self.core.limits
         return generation_pb2.ListModelsResponse(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.errors import ModelNotFound
 from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.proto.inference import grpc_service_pb2_grpc as pb_grpc
+from services.common.serving import message_for
 from services.router.core import RouterCore
-from services.router.errors import ModelNotFound, grpc_errors, message_for
 from services.router.kserve_tensors import KServeRequest, request_from_pb, text_response
 
 logger = logging.getLogger(__name__)
@@ -37,24 +38,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 f"model {name!r} is not served here: the served model is {self.core.limits.name!r}"
             )
 
-    @grpc_errors
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
-    @grpc_errors
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.core.is_ready)
 
-    @grpc_errors
     async def ModelReady(self, request, context):
         is_ours = request.name == self.core.limits.name and request.version in ("", "1")
         return pb.ModelReadyResponse(ready=is_ours and self.core.is_ready)
 
-    @grpc_errors
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
 
-    @grpc_errors
     async def ModelMetadata(self, request, context):
         self._check_model(request.name)
         return pb.ModelMetadataResponse(
@@ -70,7 +66,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[_tensor("text_output", "BYTES")],
         )
 
-    @grpc_errors
     async def ModelInfer(self, request, context):
         """The whole text at once; the prompt is prepended unless exclude_input_in_output."""
         self._check_model(request.model_name)
@@ -117,7 +112,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001 - an error ends this request, not the stream
             failed = _mark(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True)
             await queue.put(
-                pb.ModelStreamInferResponse(error_message=message_for(exc), infer_response=failed)
+                pb.ModelStreamInferResponse(
+                    error_message=message_for(exc, "router"), infer_response=failed
+                )
             )
         finally:
             await queue.put(_DONE)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
-import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.proto.inference import grpc_service_pb2 as kserve_pb2
 from services.common.proto.inference import grpc_service_pb2_grpc as kserve_pb2_grpc
+from services.common.serving import GrpcServer
 from services.router import generation, kserve
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
@@ -23,7 +22,6 @@ from services.router.upstream import SchedulerClient
 
 logger = logging.getLogger(__name__)
 
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 PUBLIC_SERVICES = (generation.SERVICE_NAME, kserve.SERVICE_NAME)
 
 
@@ -47,20 +45,14 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
-async def watch_scheduler(core: RouterCore, health_servicer, interval_s: float) -> None:
+async def watch_scheduler(core: RouterCore, server: GrpcServer, interval_s: float) -> None:
     """Keeps the router's health equal to the scheduler's (polled every `interval_s`)."""
     was_serving = None
     while True:
         is_serving = await core.scheduler.is_serving(timeout_s=max(interval_s, 1.0))
         core.is_ready = is_serving
         if is_serving != was_serving:
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if is_serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            for name in ("", *PUBLIC_SERVICES):
-                await health_servicer.set(name, status)
+            await server.set_serving(is_serving)
             logger.info(
                 "scheduler %s is %s",
                 core.scheduler.address,
@@ -86,20 +78,15 @@ async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM/SIGINT, then drains gracefully."""
     core = build_core(config)
     close_observers = install_observers(core, config)
-    server = grpc.aio.server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    generation_pb2_grpc.add_GenerationServicer_to_server(
-        generation.GenerationServicer(core), server
+    server = GrpcServer(
+        "router", config.host, config.port, PUBLIC_SERVICES, reflection_pool=reflection_pool()
     )
-    kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(core), server)
-    reflection.enable_server_reflection(
-        [*PUBLIC_SERVICES, HEALTH_SERVICE, reflection.SERVICE_NAME], server, pool=reflection_pool()
+    server.add(
+        generation_pb2_grpc.add_GenerationServicer_to_server, generation.GenerationServicer(core)
     )
-    for name in ("", *PUBLIC_SERVICES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    server.add_insecure_port(f"{config.host}:{config.port}")
+    server.add(
+        kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, kserve.KServeServicer(core)
+    )
     await server.start()
     logger.info(
         "router on port %d serving %s (context %d) via scheduler %s",
@@ -108,16 +95,11 @@ async def serve(config: RouterConfig) -> None:
         core.limits.max_model_len,
         config.scheduler_address,
     )
-    watcher = asyncio.create_task(watch_scheduler(core, health_servicer, config.health_interval_s))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    watcher = asyncio.create_task(watch_scheduler(core, server, config.health_interval_s))
+    await server.wait_for_stop()
     logger.info("router stopping: draining streams")
     watcher.cancel()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    await server.stop(grace_s=5)
     await core.scheduler.close()
     close_observers()
 

@@ -21,11 +21,12 @@ from services.common.errors import (
     InvalidRequest,
     PipelineUnavailable,
     QueueFull,
+    RequestExists,
+    RequestFailed,
     UnknownRequest,
 )
 from services.common.pb import FINISH_FROM_PB, logprobs_from_pb, sampling_to_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.router.errors import RequestExists, RequestFailed
 from services.router.output import SchedulerDelta
 from services.router.request import PreparedRequest
 

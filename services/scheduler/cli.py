@@ -1,8 +1,16 @@
-"""`conveyor scheduler` flags; the service itself is in services/scheduler/server.py."""
+"""`conveyor scheduler` flags → `SchedulerConfig`; the service is services/scheduler/server.py."""
 
 from __future__ import annotations
 
 import argparse
+
+from services.common.config import default_of
+from services.scheduler.config import SchedulerConfig, SchedulerPolicy, SchedulingMode
+
+
+def _default(name: str):
+    value = default_of(SchedulerConfig, name)
+    return value.value if isinstance(value, SchedulingMode | SchedulerPolicy) else value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,13 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Redis for request state (default: a private redis-server)",
     )
-    parser.add_argument("--port", type=int, default=50060, help="gRPC port (default: 50060)")
-    parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_default("port"),
+        help=f"gRPC port (default: {_default('port')})",
+    )
+    parser.add_argument(
+        "--host", default=_default("host"), help=f"gRPC bind address (default: {_default('host')})"
+    )
     parser.add_argument(
         "--scheduling",
-        choices=["async", "sync"],
-        default="async",
-        help="async plans ahead and hands tokens from the last stage to stage 0",
+        choices=[m.value for m in SchedulingMode],
+        default=_default("scheduling"),
+        help="async plans ahead and hands tokens from the last stage to stage 0 "
+        f"(default: {_default('scheduling')})",
     )
     parser.add_argument(
         "--max-inflight",
@@ -32,12 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduler-policy",
-        choices=["fcfs", "priority", "fair"],
-        default="fcfs",
-        help="waiting-queue order (default: fcfs)",
+        choices=[p.value for p in SchedulerPolicy],
+        default=_default("policy"),
+        help=f"waiting-queue order (default: {_default('policy')})",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most requests in one step (default: 256)"
+        "--max-num-seqs",
+        type=int,
+        default=_default("max_num_seqs"),
+        help=f"most requests in one step (default: {_default('max_num_seqs')})",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -61,26 +80,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_default("enable_prefix_caching"),
         help="reuse KV of identical prompt prefixes (default: on)",
     )
     parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=_default("enable_chunked_prefill"),
         help="split long prompts across steps (default: on)",
     )
     parser.add_argument(
         "--max-waiting",
         type=int,
-        default=10_000,
-        help="queue limit; beyond it Submit answers RESOURCE_EXHAUSTED",
+        default=_default("max_waiting"),
+        help="queue limit; beyond it Submit answers RESOURCE_EXHAUSTED "
+        f"(default: {_default('max_waiting')})",
     )
     parser.add_argument(
         "--finished-ttl",
         type=int,
-        default=3600,
-        help="seconds finished requests stay in Redis (default: 3600)",
+        default=_default("finished_ttl_s"),
+        help=f"seconds finished requests stay in Redis (default: {_default('finished_ttl_s')})",
     )
     parser.add_argument(
         "--metrics-port",
@@ -107,23 +127,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def build_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        workers=[a.strip() for a in args.workers.split(",") if a.strip()],
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        scheduling=args.scheduling,
+        max_inflight=args.max_inflight,
+        policy=args.scheduler_policy,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_waiting=args.max_waiting,
+        finished_ttl_s=args.finished_ttl,
+        metrics_port=args.metrics_port,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_scheduler=args.trace_scheduler,
+        timeline=args.timeline,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from services.scheduler.server import serve
-    from services.scheduler.service import ServiceOptions
 
-    options = ServiceOptions(
-        scheduling=args.scheduling,
-        max_inflight=args.max_inflight,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        policy=args.scheduler_policy,
-        max_waiting=args.max_waiting,
-        block_size=args.block_size,
-    )
-    asyncio.run(serve(args, options))
+    config = build_config(args)
+    if not config.workers:
+        from services.common.errors import ConfigError
+
+        raise ConfigError("--workers lists no address: give each stage worker's HOST:PORT")
+    asyncio.run(serve(config))
     return 0

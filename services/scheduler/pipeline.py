@@ -16,6 +16,7 @@ import grpc
 
 from services.common.errors import PipelineUnavailable
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.scheduler.config import PipelineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +24,18 @@ _RUN_METHOD = "/conveyor.v1.StageWorker/Run"
 
 
 @dataclass(slots=True)
-class PipelineInfo:
-    """What the stages said about themselves (Describe)."""
+class StageReport:
+    """A step's report from the last stage (sampled tokens)."""
 
-    num_stages: int
-    num_blocks: int
-    """The smallest KV pool over stages: one block id means the same slots everywhere."""
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    model_name: str
-    eos_token_ids: list[int]
-    device: str = "cpu"
-    """"cpu" when any stage computes on a CPU, else the stages' device ("cuda")."""
+    stage: int
+    report: worker_pb2.StepReport
+
+
+@dataclass(slots=True)
+class StageFailure:
+    """A stage failed or its stream ended: the session is over."""
+
+    message: str
 
 
 class PipelineBroken(Exception):
@@ -62,8 +62,8 @@ class Pipeline:
             for c in self._channels
         ]
         self._calls: list[grpc.aio.StreamStreamCall] = []
-        self.reports: asyncio.Queue = asyncio.Queue()
-        """(stage, StepReport) of the last stage, and ("error", message) on failure."""
+        self.reports: asyncio.Queue[StageReport | StageFailure] = asyncio.Queue()
+        """The last stage's reports, and a failure of any stage."""
         self._readers: list[asyncio.Task] = []
         self.epoch = 0
 
@@ -152,17 +152,17 @@ class Pipeline:
         try:
             async for report in call:
                 if report.error:
-                    self.reports.put_nowait(("error", report.error))
+                    self.reports.put_nowait(StageFailure(report.error))
                 elif is_last:
-                    self.reports.put_nowait((stage, report))
+                    self.reports.put_nowait(StageReport(stage, report))
             self.reports.put_nowait(
-                ("error", f"stage {stage} ({self.addresses[stage]}) ended its stream")
+                StageFailure(f"stage {stage} ({self.addresses[stage]}) ended its stream")
             )
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as exc:
             self.reports.put_nowait(
-                ("error", f"stage {stage} ({self.addresses[stage]}) is gone: {exc.code().name}")
+                StageFailure(f"stage {stage} ({self.addresses[stage]}) is gone: {exc.code().name}")
             )
 
     async def send(self, plan_bytes: bytes) -> None:

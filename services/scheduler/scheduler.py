@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 
 from services.common.errors import (
+    ConfigError,
     OutOfBlocks,
     PromptTooLong,
     QueueFull,
@@ -34,7 +35,7 @@ from services.common.errors import (
 )
 from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulerConfig, SchedulerPolicy
 from services.scheduler.policy import make_policy
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
@@ -53,11 +54,16 @@ class Scheduler:
     """Owns the request queue, the running set and the KV block pool."""
 
     def __init__(self, config: SchedulerConfig, store: StateStore | None = None):
+        if not config.is_resolved:
+            raise ConfigError(
+                "the planner needs num_blocks, block_size, max_model_len and "
+                "max_num_batched_tokens: resolve the config against the workers first"
+            )
         self.config = config
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.policy.value)
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running."""
         self.running: dict[str, Request] = {}
@@ -65,7 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_step_id = 0
         self._finished_ids: list[str] = []
-        self._charge = self.policy.charge if config.policy == "fair" else None
+        self._charge = self.policy.charge if config.policy is SchedulerPolicy.FAIR else None
 
     @classmethod
     def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:

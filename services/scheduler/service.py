@@ -19,51 +19,25 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common.errors import ConfigError, PipelineUnavailable, StateStoreError, UnknownRequest
+from services.common.errors import PipelineUnavailable, StateStoreError, UnknownRequest
 from services.common.pb import plan_to_pb, result_from_report
 from services.common.sampling import SamplingParams
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.pipeline import Pipeline, PipelineBroken, PipelineInfo
+from services.scheduler.pipeline import (
+    Pipeline,
+    PipelineBroken,
+    PipelineInfo,
+    StageFailure,
+    StageReport,
+)
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.state import TokenDelta
+from services.scheduler.state import StateStore, TokenDelta
 
 logger = logging.getLogger(__name__)
-
-
-DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
-"""Token budget of a step when --max-num-batched-tokens is not given, by the stages' device.
-On the 2-core CPU, 512 instead of 2048 cut the burst's mean TTFT from 5.6 s to 4.0 s at the
-same output throughput (`conveyor bench`, 64 x 128/128, 2 stages)."""
-
-
-def default_batched_tokens(device: str, chunked_prefill: bool, max_model_len: int) -> int:
-    """--max-num-batched-tokens when not given: by device, and a whole prompt per step
-    when prompts are not chunked."""
-    budget = DEFAULT_BATCHED_TOKENS.get(device, 2048)
-    return budget if chunked_prefill else max(budget, max_model_len)
-
-
-@dataclass(slots=True)
-class ServiceOptions:
-    """Scheduler settings from the CLI; KV geometry comes from the workers."""
-
-    scheduling: str = "async"
-    max_inflight: int | None = None
-    """Steps in flight; None means 2P (async) or P (sync)."""
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    """None: 512 on CPU stages (short steps: first tokens sooner at the same throughput),
-    2048 on GPUs."""
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    max_waiting: int = 10_000
-    block_size: int | None = None
-    """When set, must equal the workers' block size."""
 
 
 @dataclass(slots=True)
@@ -76,8 +50,9 @@ class StepCounters:
 class SchedulerService:
     """Owns the scheduler core, the pipeline session and the per-request subscriber queues."""
 
-    def __init__(self, options: ServiceOptions, pipeline: Pipeline, store):
-        self.options = options
+    def __init__(self, config: SchedulerConfig, pipeline: Pipeline, store: StateStore):
+        self.config = config
+        """The flags until the pipeline is whole; then resolved against the workers."""
         self.pipeline = pipeline
         self.store = store
         self.scheduler: Scheduler | None = None
@@ -96,42 +71,13 @@ class SchedulerService:
     def inflight(self) -> int:
         return self._inflight
 
-    @property
-    def max_inflight(self) -> int:
-        num_stages = len(self.pipeline.addresses)
-        if self.options.max_inflight:
-            return self.options.max_inflight
-        return 2 * num_stages if self.options.scheduling == "async" else num_stages
-
     def on_serving_change(self, callback) -> None:
         self._on_serving_change = callback
 
     async def start(self) -> None:
         """Waits for every stage, recovers requests from Redis, opens the session."""
         self.info = await self.pipeline.wait_ready()
-        opts = self.options
-        if opts.block_size and opts.block_size != self.info.block_size:
-            raise ConfigError(
-                f"--block-size={opts.block_size} but the workers use {self.info.block_size}: "
-                "drop the flag or start the workers with the same --block-size"
-            )
-        max_model_len = min(opts.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        max_num_batched_tokens = opts.max_num_batched_tokens or default_batched_tokens(
-            self.info.device, opts.enable_chunked_prefill, max_model_len
-        )
-        config = SchedulerConfig(
-            num_blocks=self.info.num_blocks,
-            block_size=self.info.block_size,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=opts.enable_prefix_caching,
-            enable_chunked_prefill=opts.enable_chunked_prefill,
-            policy=opts.policy,
-            scheduling=opts.scheduling,
-            num_stages=self.info.num_stages,
-            max_waiting=opts.max_waiting,
-        )
+        self.config = config = self.config.resolved(self.info)
         self.scheduler = await asyncio.to_thread(Scheduler.recover, config, self.store)
         if self.observer is not None:
             self.scheduler.outputs.on_state = self.observer.on_state
@@ -217,6 +163,40 @@ class SchedulerService:
         self._subscribers.setdefault(request_id, []).append(queue)
         return queue
 
+    async def resume(self, request_id: str, offset: int = 0) -> AsyncIterator[TokenDelta]:
+        """A request's tokens from `offset` on: what the store holds, then the live ones
+        until it finishes (a router whose stream broke picks up where it was). Raises
+        `UnknownRequest` when the request is neither here nor in the store."""
+        queue = self.attach(request_id)  # attach first: no token slips in between
+        try:
+            status = await asyncio.to_thread(self.store.read_state, request_id)
+            if status is None:
+                raise UnknownRequest(f"request {request_id} is not known (or expired)")
+            tokens = await asyncio.to_thread(self.store.read_tokens, request_id, 0)
+            # Not running here (and not finished: a restarted scheduler still recovering):
+            # the stream ends without a finish reason and the router resumes again later.
+            is_done = queue is None or status.is_finished
+            yield TokenDelta(request_id, tokens[offset:], offset, status.finish_reason)
+            delivered = len(tokens)
+            while not is_done:
+                delta = await queue.get()
+                skip = max(0, delivered - delta.offset)
+                if skip:  # already read from the store
+                    delta = TokenDelta(
+                        request_id,
+                        delta.token_ids[skip:],
+                        delta.offset + skip,
+                        delta.finish_reason,
+                        delta.logprobs[skip:] if delta.logprobs else None,
+                    )
+                delivered = max(delivered, delta.offset + len(delta.token_ids))
+                if delta.token_ids or delta.finish_reason is not None:
+                    yield delta
+                is_done = delta.finish_reason is not None
+        finally:
+            if queue is not None:
+                self.unsubscribe(request_id, queue)
+
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
         while True:
@@ -231,9 +211,10 @@ class SchedulerService:
 
     async def _dispatch(self) -> None:
         scheduler = self.scheduler
-        is_async = self.options.scheduling == "async"
+        is_async = self.config.is_async
         observer = self.observer
-        while self._inflight < self.max_inflight and scheduler.has_unfinished:
+        max_inflight = self.config.steps_in_flight
+        while self._inflight < max_inflight and scheduler.has_unfinished:
             if observer is not None:
                 observer.begin_step(scheduler.next_step_id)
             t0 = time.perf_counter()
@@ -273,10 +254,10 @@ class SchedulerService:
                 return
             item = reports.get_nowait()
 
-    def _process(self, item) -> None:
-        stage, report = item
-        if stage == "error":
-            raise PipelineBroken(report)
+    def _process(self, item: StageReport | StageFailure) -> None:
+        if isinstance(item, StageFailure):
+            raise PipelineBroken(item.message)
+        report = item.report
         self._inflight -= 1
         self.counters.num_reports += 1
         if self.observer is not None:

@@ -52,3 +52,9 @@ class StateStore(Protocol):
 
     def load_unfinished(self) -> list[Request]:
         """Every unfinished request, WAITING, with prompt and outputs so far, oldest first."""
+
+    def read_state(self, request_id: str) -> RequestStatus | None:
+        """A request's state, finished ones too until they expire; None when unknown."""
+
+    def read_tokens(self, request_id: str, offset: int = 0) -> list[int]:
+        """A request's output tokens from `offset` on (a broken stream resumes there)."""

@@ -1,4 +1,4 @@
-"""`conveyor worker` flags; the service itself is in services/worker/server.py."""
+"""`conveyor worker` flags → `WorkerConfig`; the service is services/worker/server.py."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common.config import default_of
+    from services.worker.config import DEVICES, WorkerConfig
+
+    def default(name: str):
+        return default_of(WorkerConfig, name)
+
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument("--stage", type=int, default=0, help="this worker's stage, 0-based")
     parser.add_argument(
@@ -13,24 +19,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline-parallel-size",
         dest="stages",
         type=int,
-        default=1,
-        help="stages in the pipeline (default: 1)",
+        default=default("num_stages"),
+        help=f"stages in the pipeline (default: {default('num_stages')})",
     )
     parser.add_argument(
         "--dist-addr",
-        default="127.0.0.1:29500",
-        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0",
+        default=default("dist_addr"),
+        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0 "
+        f"(default: {default('dist_addr')})",
     )
-    parser.add_argument("--port", type=int, default=50061, help="gRPC port (default: 50061)")
-    parser.add_argument("--host", default="[::]", help="gRPC bind address (default: [::])")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--port", type=int, default=default("port"), help=f"gRPC port (default: {default('port')})"
+    )
+    parser.add_argument(
+        "--host", default=default("host"), help=f"gRPC bind address (default: {default('host')})"
+    )
+    parser.add_argument("--device", choices=list(DEVICES), default=default("device"))
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=default("dtype")
+    )
     parser.add_argument(
         "--kv-cache-memory",
-        default="1GiB",
-        help="this stage's KV cache budget, e.g. 512MiB (default: 1GiB)",
+        default=default("kv_cache_memory"),
+        help=f"this stage's KV cache budget, e.g. 512MiB (default: {default('kv_cache_memory')})",
     )
-    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    parser.add_argument(
+        "--block-size", type=int, default=default("block_size"), choices=[8, 16, 32]
+    )
     parser.add_argument(
         "--max-model-len",
         type=int,
@@ -54,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--linear-backend",
         choices=["auto", "onednn", "torch"],
-        default="auto",
+        default=default("linear_backend"),
         help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
         "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
         "on CPU (default: auto)",
@@ -82,11 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace):
-    from services.common.affinity import default_threads
+    from services.common.affinity import parse_cpu_list
     from services.worker.config import WorkerConfig
-    from services.worker.model.llama import default_attention_backend
 
-    threads = args.threads or default_threads(args.stages)
     return WorkerConfig(
         model_dir=args.model,
         stage_index=args.stage,
@@ -96,10 +109,17 @@ def build_config(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
-        attention_backend=args.attention_backend or default_attention_backend(args.device),
+        attention_backend=args.attention_backend,
         device=args.device,
-        num_threads=threads,
+        num_threads=args.threads,
         linear_backend=args.linear_backend,
+        host=args.host,
+        port=args.port,
+        dist_addr=args.dist_addr,
+        cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else None,
+        seed=args.seed,
+        metrics_port=args.metrics_port,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -107,14 +127,15 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import sys
 
-    from services.common.affinity import parse_cpu_list, pin_process
+    from services.common.affinity import pin_process
     from services.worker.server import serve
 
-    if args.cpu_affinity:
-        pin_process(parse_cpu_list(args.cpu_affinity))
+    config = build_config(args)
+    if config.cpu_affinity:
+        pin_process(config.cpu_affinity)
     # The compute thread hands each result to the gRPC loop thread; with Python's default
     # 5 ms GIL switch interval that handoff cost the last stage 1.1-1.6 ms per step on the
     # critical path, with 0.5 ms about 0.7 ms (2-core CPU, 32-request decode steps).
     sys.setswitchinterval(0.0005)
-    asyncio.run(serve(args))
+    asyncio.run(serve(config))
     return 0

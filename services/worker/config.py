@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.affinity import default_threads
+from services.common.config import parse_addr
 from services.common.errors import ConfigError
 from services.common.units import parse_bytes
-from services.worker.kv_cache import BLOCK_SIZES
-from services.worker.model.llama import ATTENTION_BACKENDS
-from services.worker.model.loader import DTYPES, resolve_dtype
-from services.worker.model.packed_linear import LINEAR_BACKENDS, onednn_supported
 from services.worker.model.stages import MAX_STAGES
+
+# What the flags may say. Light on purpose (no torch): the CLI builds its parser from here.
+DEFAULT_PORT = 50061
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32)
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+"""`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
 
 @dataclass(slots=True)
@@ -27,20 +34,37 @@ class WorkerConfig:
     """Layers per stage, e.g. [10, 10, 10]; None splits evenly (see model/stages.py)."""
     block_size: int = 16
     """`--block-size`: tokens per KV block, one of 8, 16, 32."""
-    kv_cache_memory: int | str = "2GiB"
-    """`--kv-cache-memory`: bytes for this stage's KV cache (e.g. "2GiB"); parsed to int."""
+    kv_cache_memory: int | str = "1GiB"
+    """`--kv-cache-memory`: bytes for this stage's KV cache (e.g. "512MiB"); parsed to int."""
     max_model_len: int | None = None
     """`--max-model-len`: longest sequence; None means the model's max_position_embeddings."""
     dtype: str = "float32"
     """`--dtype`: float32 or bfloat16 (float16 on CUDA)."""
-    attention_backend: str = "torch"
-    """"cpu" (C++ decode kernel), "torch" (plain PyTorch, the reference) or "triton" (CUDA)."""
+    attention_backend: str | None = None
+    """"cpu" (C++ decode kernel), "torch" (plain PyTorch, the reference) or "triton" (CUDA);
+    None: triton on CUDA, on CPU the C++ kernel when it builds here, else torch
+    (`effective_attention_backend`)."""
     device: str = "cpu"
+    """`--device`: cpu or cuda."""
     num_threads: int | None = None
-    """torch intra-op threads on CPU; None leaves torch's default."""
+    """`--threads`: torch intra-op threads on CPU; None: this machine's cores / stages."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
     "auto" takes oneDNN wherever it is supported."""
+    host: str = "[::]"
+    """`--host`: gRPC bind address."""
+    port: int = DEFAULT_PORT
+    """`--port`: gRPC port."""
+    dist_addr: str = "127.0.0.1:29500"
+    """`--dist-addr`: the torch.distributed rendezvous HOST:PORT, hosted by stage 0."""
+    cpu_affinity: list[int] | None = None
+    """`--cpu-affinity`: cores this worker is pinned to; None: not pinned."""
+    seed: int | None = None
+    """`--seed`: seed of unseeded random sampling; None: from the OS."""
+    metrics_port: int | None = None
+    """`--metrics-port`: Prometheus endpoint port; None: no metrics."""
+    otlp_endpoint: str | None = None
+    """`--otlp-endpoint`: where spans go; None: no tracing."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -63,23 +87,32 @@ class WorkerConfig:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1")
         if self.dtype not in DTYPES:
             raise ConfigError(
-                f"dtype={self.dtype!r} is not supported: choose one of {sorted(DTYPES)}"
+                f"dtype={self.dtype!r} is not supported: choose one of {list(DTYPES)}"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} is unknown: choose one of "
                 f"{sorted(ATTENTION_BACKENDS)}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be >= 1")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is not supported: use one of {DEVICES}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                raise ConfigError(f"{name}={value} is out of range: must be in [1, 65535]")
+        parse_addr(self.dist_addr, "--dist-addr")
+        if self.otlp_endpoint:
+            from services.common.telemetry import check_endpoint
+
+            check_endpoint(self.otlp_endpoint)
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(
                 f"linear_backend={self.linear_backend!r} is unknown: choose one of "
                 f"{list(LINEAR_BACKENDS)}"
             )
-        if self.linear_backend == "onednn" and not onednn_supported(
-            self.device, resolve_dtype(self.dtype)
-        ):
+        if self.linear_backend == "onednn" and not _onednn_supported(self.device, self.dtype):
             raise ConfigError(
                 f"linear_backend='onednn' needs a CPU device, float32 or bfloat16 and a torch "
                 f"built with oneDNN (device={self.device!r}, dtype={self.dtype!r}); use "
@@ -87,8 +120,27 @@ class WorkerConfig:
             )
 
     @property
+    def threads(self) -> int:
+        """torch intra-op threads: --threads, else this machine's cores / stages."""
+        return self.num_threads or default_threads(self.num_stages)
+
+    @property
+    def effective_attention_backend(self) -> str:
+        """--attention-backend, else the device's default (see `attention_backend`)."""
+        from services.worker.model.llama import default_attention_backend
+
+        return self.attention_backend or default_attention_backend(self.device)
+
+    @property
     def uses_onednn(self) -> bool:
         """Whether the matmuls run on oneDNN (resolves "auto")."""
         if self.linear_backend == "torch":
             return False
-        return onednn_supported(self.device, resolve_dtype(self.dtype))
+        return _onednn_supported(self.device, self.dtype)
+
+
+def _onednn_supported(device: str, dtype: str) -> bool:
+    from services.worker.model.loader import resolve_dtype
+    from services.worker.model.packed_linear import onednn_supported
+
+    return onednn_supported(device, resolve_dtype(dtype))

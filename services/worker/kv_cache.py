@@ -19,10 +19,9 @@ import torch
 
 from services.common.errors import ConfigError
 from services.common.units import format_bytes
+from services.worker.config import BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
-
-BLOCK_SIZES = (8, 16, 32)
 
 
 @dataclass(slots=True, frozen=True)

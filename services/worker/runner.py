@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from services.common.errors import UnknownRequest
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan, StepResult
-from services.worker.attention.metadata import AttentionMetadata
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
@@ -85,10 +85,9 @@ class StageRunner:
         """[N, V] float32 logits of the rows sampled in the last step (last stage only)."""
 
     @classmethod
-    def from_config(cls, config: WorkerConfig, seed: int | None = None) -> StageRunner:
+    def from_config(cls, config: WorkerConfig) -> StageRunner:
         """Load this stage's weights and allocate its KV cache from the budget."""
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.threads)
         model_config = ModelConfig.from_dir(config.model_dir)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         logits_cost = logits_layer_equivalents(
@@ -105,7 +104,7 @@ class StageRunner:
             config.model_dir,
             stage,
             config.dtype,
-            config.attention_backend,
+            config.effective_attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
         ).to(config.device)
         if config.uses_onednn:
@@ -118,7 +117,7 @@ class StageRunner:
             resolve_dtype(config.dtype),
         )
         kv_cache = KVCache.from_budget(spec, config.kv_cache_memory, max_model_len, config.device)
-        return cls(model, kv_cache, Sampler(seed, config.device), config.device)
+        return cls(model, kv_cache, Sampler(config.seed, config.device), config.device)
 
     # ---------------------------------------------------------------- plan deltas
     def _apply_plan(self, plan: StepPlan, input_token_ids: dict[str, int] | None) -> ScheduledBatch:

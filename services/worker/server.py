@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
+from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
+from services.common.errors import PipelineUnavailable
 from services.common.pb import logprobs_to_pb, plan_from_pb
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.serving import GrpcServer
+from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.runner import StageRunner
 
@@ -118,9 +116,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     async def Run(self, request_iterator, context):
         if self.engine is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"stage {self.stage} is still loading its model"
-            )
+            raise PipelineUnavailable(f"stage {self.stage} is still loading its model")
         # A scheduler re-forming the pipeline may arrive while the previous session is still
         # winding down (its waits are aborted, so that takes moments): wait for it.
         async with self._session_lock:
@@ -163,59 +159,47 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
+async def serve(config: WorkerConfig) -> None:
+    """Loads the stage, serves it until SIGTERM/SIGINT, then drains gracefully."""
     import torch
 
-    from services.worker.cli import build_config
     from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
-    config = build_config(args)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            _SERVICE,
-            reflection.SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        ],
-        server,
+    server = GrpcServer(
+        f"stage {config.stage_index}",
+        config.host,
+        config.port,
+        [_SERVICE],
+        options=[("grpc.max_receive_message_length", 64 << 20)],
     )
-    model_dir = Path(args.model)
-    servicer = StageWorkerServicer(args.stage, args.stages, model_dir.name)
-    worker_pb2_grpc.add_StageWorkerServicer_to_server(servicer, server)
-    close_observers = install_observers(servicer, args.stage, args.metrics_port, args.otlp_endpoint)
-    server.add_insecure_port(f"{args.host}:{args.port}")
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    model_name = Path(config.model_dir).name
+    servicer = StageWorkerServicer(config.stage_index, config.num_stages, model_name)
+    server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
+    close_observers = install_observers(
+        servicer, config.stage_index, config.metrics_port, config.otlp_endpoint
+    )
     await server.start()
-    logger.info("stage %d/%d: loading %s", args.stage, args.stages, args.model)
-    runner = await asyncio.to_thread(StageRunner.from_config, config, args.seed)
-    transport = StageTransport(args.stage, args.stages, args.dist_addr, torch.device(args.device))
+    logger.info("stage %d/%d: loading %s", config.stage_index, config.num_stages, config.model_dir)
+    runner = await asyncio.to_thread(StageRunner.from_config, config)
+    transport = StageTransport(
+        config.stage_index, config.num_stages, config.dist_addr, torch.device(config.device)
+    )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
     servicer.set_engine(StageEngine(runner, transport), list(eos), max_model_len)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await server.set_serving(True)
     layers = runner.model.stage.layer_ids
     logger.info(
         "stage %d/%d serving on port %d: layers %d-%d, %d KV blocks of %d tokens",
-        args.stage,
-        args.stages,
-        args.port,
+        config.stage_index,
+        config.num_stages,
+        config.port,
         layers.start,
         layers.stop - 1,
         runner.kv_cache.num_blocks,
         runner.kv_cache.block_size,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    await server.wait_for_stop()
+    await server.stop(grace_s=5)
     close_observers()

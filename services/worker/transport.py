@@ -23,21 +23,13 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from services.common.errors import ConfigError
+from services.common.config import parse_addr
 
 logger = logging.getLogger(__name__)
 
 _TAG_HIDDEN = 1
 _TAG_TOKENS = 2
 _MAX_PENDING_SENDS = 16
-
-
-def parse_addr(addr: str, name: str = "address") -> tuple[str, int]:
-    """`HOST:PORT` → (host, port), with an error naming the flag."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"{name}={addr!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 class StageTransport:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.process import child_env
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_server import RedisServer, free_port
-from services.launcher import child_env, wait_serving
+from services.launcher import wait_serving
 
 _ids = itertools.count()
 

@@ -25,8 +25,9 @@ from services.router.output import SchedulerDelta
 from services.router.request import GenerateInput, ModelLimits
 from services.router.tokenizer import Tokenizer
 from services.scheduler import observability as scheduler_obs
-from services.scheduler.pipeline import PipelineInfo
-from services.scheduler.service import SchedulerService, ServiceOptions
+from services.scheduler.config import PipelineInfo, SchedulerConfig
+from services.scheduler.pipeline import StageReport
+from services.scheduler.service import SchedulerService
 from services.worker import observability as worker_obs
 from services.worker.engine import StageEngine
 from services.worker.server import StageWorkerServicer
@@ -93,7 +94,7 @@ class FakePipeline:
             request_ids=result.request_ids,
             token_ids=result.token_ids,
         )
-        self.reports.put_nowait((1, report))
+        self.reports.put_nowait(StageReport(1, report))
 
     async def close(self) -> None:
         pass
@@ -119,7 +120,7 @@ def run_scheduler(tmp_path, observed: bool) -> int:
     """Serves 3 requests of 5 tokens; returns the number of steps planned."""
 
     async def main():
-        service = SchedulerService(ServiceOptions(), FakePipeline(), FakeStore())
+        service = SchedulerService(SchedulerConfig(), FakePipeline(), FakeStore())
         close = lambda: None  # noqa: E731
         if observed:
             close = scheduler_obs.install(

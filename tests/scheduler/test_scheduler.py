@@ -15,6 +15,7 @@ from services.common.errors import (
 )
 from services.common.sampling import SamplingParams
 from services.common.step import StepResult
+from services.scheduler.config import PipelineInfo, SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from tests.scheduler.utils import (
@@ -307,10 +308,27 @@ def test_add_request_duplicate_id_is_refused_and_keeps_the_first():
     assert scheduler.requests["dup"].num_prompt_tokens == 5
 
 
-def test_default_step_budget_follows_the_stages_device():
-    from services.scheduler.service import default_batched_tokens
+def _budget(device: str, chunked: bool = True, flag: int | None = None) -> int:
+    info = PipelineInfo(2, 1024, 16, 8192, 64, "m", [2], device=device)
+    config = SchedulerConfig(enable_chunked_prefill=chunked, max_num_batched_tokens=flag)
+    return config.resolved(info).max_num_batched_tokens
 
-    assert default_batched_tokens("cpu", True, 8192) == 512
-    assert default_batched_tokens("cuda", True, 8192) == 2048
-    assert default_batched_tokens("tpu", True, 8192) == 2048  # unknown: the GPU default
-    assert default_batched_tokens("cpu", False, 8192) == 8192  # unchunked: a prompt per step
+
+def test_default_step_budget_follows_the_stages_device():
+    assert _budget("cpu") == 512
+    assert _budget("cuda") == 2048
+    assert _budget("tpu") == 2048  # unknown: the GPU default
+    assert _budget("cpu", chunked=False) == 8192  # unchunked: a prompt per step
+    assert _budget("cpu", flag=100) == 100
+
+
+def test_config_resolved_takes_the_workers_geometry_and_refuses_a_contradiction():
+    info = PipelineInfo(3, 1024, 16, 4096, 64, "m", [2], device="cpu")
+    resolved = SchedulerConfig(max_model_len=1024).resolved(info)
+    assert (resolved.num_blocks, resolved.block_size, resolved.num_stages) == (1024, 16, 3)
+    assert resolved.max_model_len == 1024  # a flag may lower the workers' context
+    assert SchedulerConfig(max_model_len=10**6).resolved(info).max_model_len == 4096
+    with pytest.raises(ConfigError, match="--block-size=32 but the workers use 16"):
+        SchedulerConfig(block_size=32).resolved(info)
+    with pytest.raises(ConfigError, match="resolve the config"):
+        Scheduler(SchedulerConfig())

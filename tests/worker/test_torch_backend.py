@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata
 from services.worker.attention.torch_backend import paged_attention_forward
 
 

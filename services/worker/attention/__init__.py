@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: the metadata and the backends (PyTorch, Triton)."""
 
-from services.worker.attention.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata"]

@@ -4,7 +4,7 @@ For a decode row (one query token) the torch backend copies the sequence's whole
 out of the paged cache into a dense tensor, for every layer and step, then runs SDPA,
 whose tiling is made for long queries. `csrc/paged_decode.cpp` reads the context in place
 and handles the query heads of a KV head together: about 3x faster per layer at 32
-sequences of 256 tokens (`python bench/bench_worker.py`), close to the memory read the
+sequences of 256 tokens (`python -m services.bench.worker_step`), close to the memory read the
 work needs. Prefill chunks keep the torch path, where SDPA's tiling pays off.
 
 The kernel is compiled once per machine with `torch.utils.cpp_extension` (g++ and ninja,
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
 from services.worker.attention import torch_backend
-from services.worker.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

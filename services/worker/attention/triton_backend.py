@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
-from services.worker.attention.metadata import AttentionMetadata
 
 
 def paged_attention_forward(

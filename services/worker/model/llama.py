@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
-from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 from services.worker.model.packed_linear import PackedLinear, pack_linears

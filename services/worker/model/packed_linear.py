@@ -3,7 +3,7 @@
 On CPU, `F.linear` calls MKL's sgemm, which takes its AVX2 path on AMD processors. oneDNN
 (bundled with every x86 torch build) runs AVX-512 where the CPU has it, and a weight packed
 once at load time (`_reorder_linear_weight`) is not re-laid-out on every call. On the
-project's 2-core EPYC, one thread (`python bench/bench_linear.py`):
+project's 2-core EPYC, one thread (`python -m services.bench.worker_step`):
 
     rows x (in -> out)        F.linear   oneDNN packed
     32 x (576 -> 3072)          99 GF/s      231 GF/s
@@ -23,8 +23,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
-"""`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -1,6 +1,6 @@
 """Time one stage's forward (all layers of SmolLM2-135M, fp32, CPU) beside transformers'.
 
-    python bench/bench_worker.py [--model DIR] [--threads 2] [--iters 10]
+    python -m services.bench.worker_step [--model DIR] [--threads 2] [--iters 10]
 
 Decode: batch B at context 256 (every sequence has 255 cached tokens and decodes one).
 Ours runs the paged cache through the runner's own input building (`step` column) and

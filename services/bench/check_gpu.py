@@ -1,7 +1,7 @@
 """Checks every Triton kernel on a CUDA GPU against its reference, then times it.
 
-    python -m kernels.check_gpu                 # correctness + timing table (~1-2 min on an H200)
-    python -m kernels.check_gpu --model DIR     # + greedy generation, triton vs torch backend
+    python -m services.bench.check_gpu                 # correctness + timing table (~1-2 min on an H200)
+    python -m services.bench.check_gpu --model DIR     # + greedy generation, triton vs torch backend
 
 Attention is timed against torch's scaled_dot_product_attention on K/V already gathered
 into contiguous [B, H, L, D] tensors (the gather is not timed: the baseline is the best
@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from kernels.metadata import AttentionMetadata
 from kernels.reference import (
     paged_attention_ref,
     reshape_and_cache_ref,
@@ -24,7 +25,6 @@ from kernels.reference import (
     rotary_embedding_ref,
     silu_and_mul_ref,
 )
-from services.worker.attention.metadata import AttentionMetadata
 
 HEAD_SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 TOLERANCES = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}

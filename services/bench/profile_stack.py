@@ -1,6 +1,6 @@
 """Profile a serving stack under load: py-spy on the router, the scheduler and each worker.
 
-    python bench/profile_stack.py [--model DIR] [--stages 2] [--scheduling async]
+    python -m services.bench.profile_stack [--model DIR] [--stages 2] [--scheduling async]
                                   [--num-prompts 64] [--input-len 128] [--output-len 128]
 
 Starts `conveyor up` (as `conveyor bench --compare` does), warms it up, then runs one
@@ -20,11 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from services.bench.driver import DriverOptions, token_pool  # noqa: E402
-from services.bench.run import BenchTarget, Workload, run_benchmark  # noqa: E402
-from services.bench.stack import Mode, start_stack  # noqa: E402
+from services.bench.driver import DriverOptions, token_pool
+from services.bench.run import BenchTarget, Workload, run_benchmark
+from services.bench.stack import Mode, start_stack
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Scheduler planning time per step (pure Python) and Redis round trips / latency per step.
 
-    .venv/bin/python bench/bench_scheduler.py [--steps 2000]
+    .venv/bin/python -m services.bench.scheduler_step [--steps 2000]
 
 Scenarios:
 * `decode-256`: 256 running requests, every one decoding each step (P=1: the worst case,
@@ -17,18 +17,14 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from services.common.sampling import SamplingParams  # noqa: E402
-from services.common.step import StepResult  # noqa: E402
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.request import Request  # noqa: E402
-from services.scheduler.scheduler import Scheduler  # noqa: E402
+from services.common.sampling import SamplingParams
+from services.common.step import StepResult
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
 
 
 def _request(request_id: str, prompt_len: int, max_tokens: int) -> Request:

@@ -1,0 +1,36 @@
+"""Child processes that die with their parent (`conveyor up`, the benchmark, the tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+PARENT_ENV = "CONVEYOR_DIE_WITH_PARENT"
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child that must not outlive this process (see `die_with_parent`).
+
+    No preexec_fn: running Python between fork and exec is unsafe in a process whose gRPC
+    threads are live (it aborted children here)."""
+    env = dict(os.environ if env is None else env)
+    env[PARENT_ENV] = str(os.getpid())
+    return env
+
+
+def die_with_parent() -> None:
+    """Called first thing in a child started with `child_env`: SIGTERM when the parent dies
+    (Linux PR_SET_PDEATHSIG), or exit now if it is already gone."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit(f"parent process {parent} is gone")

@@ -1,0 +1,194 @@
+"""One way to serve a Conveyor gRPC service: start, health, reflection, signals, drain.
+
+Every service (router, scheduler, stage worker) runs the same sequence::
+
+    server = GrpcServer("scheduler", config.host, config.port, [SERVICE_NAME])
+    server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(...))
+    await server.start()              # health: NOT_SERVING ("" and each service), liveness SERVING
+    await server.set_serving(True)    # once it can do its work
+    await server.wait_for_stop()      # SIGTERM / SIGINT
+    await server.stop(grace_s=5)      # health NOT_SERVING, in-flight RPCs get `grace_s`
+
+Errors become statuses in one place: `ErrorInterceptor` wraps every method of the server,
+so servicers and the pure code under them raise the domain exceptions of
+services/common/errors.py and never call `context.abort` themselves. An exception that is
+not a `ConveyorError` is a bug: it is logged with its traceback and answered INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import errors
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+LIVENESS = "liveness"
+"""Health service name that is SERVING while the process is alive (liveness probes)."""
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),  # e.g. no chat template
+    (errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (errors.ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.RequestExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.PipelineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.StateStoreError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RequestFailed, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code for a domain exception; INTERNAL for anything unexpected."""
+    for exc_type, code in _CODES:
+        if isinstance(exc, exc_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def message_for(exc: BaseException, service: str = "service") -> str:
+    """What the client reads: a domain error's own message, never a traceback."""
+    if isinstance(exc, errors.ConveyorError):
+        return str(exc)
+    return f"internal error in the {service}: {type(exc).__name__}: {exc}"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by any method of the server to a status and a message.
+
+    Wraps the handler of every method (unary or streaming, either side), so that a
+    servicer is plain code that raises. The natural place for checks every call shares.
+    """
+
+    def __init__(self, service: str):
+        self.service = service
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        kind = {
+            (False, False): "unary_unary",
+            (False, True): "unary_stream",
+            (True, False): "stream_unary",
+            (True, True): "stream_stream",
+        }[(handler.request_streaming, handler.response_streaming)]
+        behaviour = getattr(handler, kind)
+        return handler._replace(**{kind: self._wrap(behaviour, method)})
+
+    def _wrap(self, behaviour: Callable, method: str) -> Callable:
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def stream(request, context):
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
+                    await self._abort(context, exc, method)
+
+            return stream
+
+        async def unary(request, context):
+            try:
+                return await behaviour(request, context)
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method)
+
+        return unary
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception, method: str):
+        if isinstance(exc, grpc.aio.AbortError):
+            raise exc
+        code = status_for(exc)
+        if code is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.ConveyorError):
+            logger.error("%s %s failed", self.service, method, exc_info=exc)
+        await context.abort(code, message_for(exc, self.service))
+
+
+class GrpcServer:
+    """A `grpc.aio` server with the standard health service, reflection, the error
+    interceptor, SIGTERM handling and a graceful stop."""
+
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        service_names: Sequence[str],
+        options: Sequence[tuple[str, object]] = (),
+        reflection_pool=None,
+    ):
+        """
+        Args:
+            name: the service in logs and internal-error messages ("router", "stage 1").
+            service_names: full names of the services added; their health follows
+                `set_serving` along with the overall ("") status.
+            options: grpc server options (message size limits).
+            reflection_pool: a descriptor pool for reflection (the router's KServe protos
+                live in a private pool); None: the default pool.
+        """
+        self.name = name
+        self.address = f"{host}:{port}"
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(name)], options=options)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME],
+            self.server,
+            pool=reflection_pool,
+        )
+        self._stop = asyncio.Event()
+
+    def add(self, add_to_server: Callable, servicer) -> None:
+        """Registers a servicer with its generated `add_*Servicer_to_server` function."""
+        add_to_server(servicer, self.server)
+
+    async def start(self) -> None:
+        """Binds and starts; health says NOT_SERVING until `set_serving(True)`."""
+        await self.set_serving(False)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        try:
+            self.server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise errors.ConfigError(
+                f"{self.name} cannot listen on {self.address} ({exc}): the port is taken or "
+                "the address is not this machine's"
+            ) from exc
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+
+    async def set_serving(self, is_serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    def request_stop(self) -> None:
+        """What SIGTERM does: `wait_for_stop` returns."""
+        self._stop.set()
+
+    async def wait_for_stop(self) -> None:
+        await self._stop.wait()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Health NOT_SERVING for everyone (liveness too), then a graceful stop."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=grace_s)

@@ -2,15 +2,18 @@
 
 Container healthchecks (docker compose) use it: the exit status is 0 when the service answers
 SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable, timeout). It prints the status,
-so a person running it by hand sees why.
+so a person running it by hand sees why. With `--wait SECONDS` it keeps asking until the
+service is SERVING or SECONDS have passed, so a script can wait for a stack that is starting.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 DEFAULT_TIMEOUT_S = 5.0
+POLL_INTERVAL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,25 +27,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=float(os.environ.get("CONVEYOR_HEALTH_TIMEOUT", DEFAULT_TIMEOUT_S)),
-        help="seconds to wait for the answer (env CONVEYOR_HEALTH_TIMEOUT, default: 5)",
+        help="seconds to wait for each answer (env CONVEYOR_HEALTH_TIMEOUT, default: 5)",
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep asking until SERVING or SECONDS have passed (default: 0 = ask once)",
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def check_once(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+    """One health check on a fresh channel: (is SERVING, what to print).
+
+    A fresh channel per check: a channel that failed to connect backs off exponentially, which
+    would delay seeing a server that came up meanwhile."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    request = health_pb2.HealthCheckRequest(service=service)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        # NOT_FOUND: the server does not know this service name; UNAVAILABLE: nothing listening.
+        return False, f"{address}: {exc.code().name}: {exc.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return response.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print(f"--timeout must be > 0 seconds, got {args.timeout}")
         return 1
-    request = health_pb2.HealthCheckRequest(service=args.service)
-    try:
-        with grpc.insecure_channel(args.address) as channel:
-            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout)
-    except grpc.RpcError as exc:
-        # NOT_FOUND: the server does not know this service name; UNAVAILABLE: nothing listening.
-        print(f"{args.address}: {exc.code().name}: {exc.details()}")
+    if args.wait < 0:
+        print(f"--wait must be >= 0 seconds, got {args.wait}")
         return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-    print(status)
-    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+    deadline = time.monotonic() + args.wait
+    while True:
+        is_serving, message = check_once(args.address, args.service, args.timeout)
+        if is_serving or time.monotonic() + POLL_INTERVAL_S > deadline:
+            break
+        time.sleep(POLL_INTERVAL_S)
+    print(message)
+    return 0 if is_serving else 1

@@ -1,8 +1,8 @@
 """The image, the manifests and the docs agree on one `conveyor` command line.
 
 Every command line that docker-compose.yml and the Helm chart run is collected; each subcommand
-must be documented in README.md, and each one registered in `services.cli.COMMANDS` must
-accept exactly the flags the manifests pass. Subcommands still being written are listed in
+must be documented in docs/deployment.md, and each one registered in `services.cli.COMMANDS`
+must accept exactly the flags the manifests pass. Subcommands still being written are listed in
 PENDING: they are checked as soon as their module imports.
 """
 
@@ -34,7 +34,7 @@ PENDING: set[str] = set()
 # later); the chart passes them only with metrics.enabled. Remove an entry once it is accepted.
 PENDING_FLAGS: set[tuple[str, str]] = set()
 DOCKERFILE = REPO / "Dockerfile"
-DOCS = REPO / "README.md"
+DOCS = REPO / "docs" / "deployment.md"
 
 
 def compose_argvs() -> list[tuple[str, list[str]]]:

@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,11 +61,30 @@ def server() -> Iterator[HealthServer]:
     srv.stop()
 
 
-def check(address: str, service: str = "", timeout: float = 5.0) -> int:
+def check(address: str, service: str = "", timeout: float = 5.0, wait: float | None = None) -> int:
     parser = argparse.ArgumentParser()
     health_cli.add_arguments(parser)
     argv = [address, "--service", service, "--timeout", str(timeout)]
+    if wait is not None:
+        argv += ["--wait", str(wait)]
     return health_cli.run(parser.parse_args(argv))
+
+
+class ServingAfterChecks(health.aio.HealthServicer):
+    """Answers NOT_SERVING to the first `num_not_serving` checks, then SERVING."""
+
+    def __init__(self, num_not_serving: int) -> None:
+        super().__init__()
+        self.num_not_serving = num_not_serving
+        self.num_checks = 0
+
+    async def Check(self, request, context):
+        self.num_checks += 1
+        status = health_pb2.HealthCheckResponse.SERVING
+        if self.num_checks <= self.num_not_serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.set(request.service, status)
+        return await super().Check(request, context)
 
 
 def test_health_serving_exits_zero_and_prints_status(server, capsys):
@@ -111,3 +131,44 @@ def test_health_is_a_conveyor_subcommand(server):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stdout.strip() == "NOT_SERVING"
+
+
+def test_health_wait_polls_until_serving(capsys):
+    srv = HealthServer()
+    srv.servicer = ServingAfterChecks(num_not_serving=3)
+    srv.start()
+    try:
+        assert check(srv.address, wait=120) == 0
+    finally:
+        srv.stop()
+    assert srv.servicer.num_checks == 4
+    assert capsys.readouterr().out.strip() == "SERVING"
+
+
+def test_health_wait_sees_a_server_that_starts_later(capsys):
+    """`conveyor up &` then `conveyor health ADDR --wait`: nothing listens at first."""
+    srv = HealthServer()
+    done: list[int] = []
+    waiter = threading.Thread(target=lambda: done.append(check(srv.address, wait=120)))
+    waiter.start()
+    try:
+        time.sleep(1.5)  # a few refused checks first; the result does not depend on this
+        srv.start()
+        srv.set("", health_pb2.HealthCheckResponse.SERVING)
+        waiter.join(timeout=180)
+    finally:
+        srv.stop()
+    assert done == [0]
+    assert capsys.readouterr().out.strip() == "SERVING"
+
+
+def test_health_wait_gives_up_with_the_last_status(server, capsys):
+    server.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert check(server.address, wait=1) == 1
+    assert capsys.readouterr().out.strip() == "NOT_SERVING"
+
+
+def test_health_wait_rejects_a_negative_wait(server, capsys):
+    server.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert check(server.address, wait=-1) == 1
+    assert "--wait must be >= 0" in capsys.readouterr().out

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
+from services.common.redis_server import free_port  # noqa: F401 - the tests' one free_port
+
 # Tests never compete for more than the machine's cores, and stay deterministic.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -21,10 +21,12 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.errors import PipelineUnavailable, StateStoreError, UnknownRequest
 from services.common.pb import plan_to_pb, result_from_report
 from services.common.sampling import SamplingParams
+from services.common.step import StepPlan
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.pipeline import (
     Pipeline,
@@ -38,6 +40,22 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.state import StateStore, TokenDelta
 
 logger = logging.getLogger(__name__)
+
+
+class SchedulerHooks(Protocol):
+    """What the service tells its observer (services/scheduler/observability.py: the event
+    trace, spans and metrics)."""
+
+    def on_submit(self, request: Request, traceparent: str | None) -> None: ...
+
+    def on_state(self, request: Request) -> None: ...
+
+    def begin_step(self, step_id: int) -> None: ...
+
+    def on_plan(self, plan: StepPlan) -> str:
+        """Returns the step's trace parent (W3C), or ""."""
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -64,8 +82,8 @@ class SchedulerService:
         self._inflight = 0
         self._task: asyncio.Task | None = None
         self._on_serving_change = None
-        self.observer = None
-        """A `SchedulerObserver` (event trace, spans, metrics), or None: no hook runs."""
+        self.observer: SchedulerHooks | None = None
+        """The event trace, spans and metrics, or None: no hook runs."""
 
     @property
     def inflight(self) -> int:

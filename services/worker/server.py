@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Protocol
 
 from services.common.errors import PipelineUnavailable
 from services.common.pb import logprobs_to_pb, plan_from_pb
@@ -40,6 +41,17 @@ def outcome_to_pb(outcome: StepOutcome, stage: int) -> worker_pb2.StepReport:
     return report
 
 
+class StepHooks(Protocol):
+    """What a stage tells its observer (services/worker/observability.py: step metrics and
+    spans)."""
+
+    def on_plan(self, msg: worker_pb2.StepPlan) -> None: ...
+
+    def on_outcome(self, outcome: StepOutcome) -> None: ...
+
+    def reset(self) -> None: ...
+
+
 class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     """One Run session at a time; each session is one pipeline process group.
 
@@ -54,8 +66,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self._session_lock = asyncio.Lock()
-        self.observer = None
-        """A `StepObserver` (step metrics, spans), or None: no hook runs."""
+        self.observer: StepHooks | None = None
+        """Step metrics and spans, or None: no hook runs."""
 
     def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
         self.engine = engine

@@ -18,24 +18,36 @@ SEEDED = [
     dict(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=12, ignore_eos=True)
     for i in range(4)
 ]
-_seeded_by_mode: dict[tuple[int, str], list[list[int]]] = {}
+MODES = [(1, "async"), (2, "sync"), (2, "async"), (3, "sync"), (3, "async")]
 
 
-@pytest.mark.parametrize(
-    "stages,scheduling", [(1, "async"), (2, "sync"), (2, "async"), (3, "sync"), (3, "async")]
-)
+@pytest.fixture(scope="module")
+def run_mode(smollm2_dir, smollm2_prompts):
+    """run_mode(stages, scheduling): the outcomes of the greedy prompts, then of the seeded
+    ones, from one stack of that shape (started once per module and mode)."""
+    outcomes: dict[tuple[int, str], list] = {}
+
+    def run(stages: int, scheduling: str) -> list:
+        if (stages, scheduling) not in outcomes:
+            stack = ProcessStack(smollm2_dir, stages, scheduling).start()
+            try:
+                greedy = [dict(max_tokens=16, ignore_eos=True)] * len(smollm2_prompts)
+                prompts = smollm2_prompts + smollm2_prompts[:4]
+                outcomes[(stages, scheduling)] = stack.generate_many(prompts, greedy + SEEDED)
+                assert stack.stats().kv_usage == 0.0, "blocks still held after every request ended"
+            finally:
+                stack.stop()
+        return outcomes[(stages, scheduling)]
+
+    return run
+
+
+@pytest.mark.parametrize("stages,scheduling", MODES)
 def test_pipeline_greedy_equals_transformers(
-    smollm2_dir, smollm2_prompts, smollm2_reference, stages, scheduling
+    run_mode, smollm2_prompts, smollm2_reference, stages, scheduling
 ):
     ref_tokens, ref_logits = smollm2_reference
-    stack = ProcessStack(smollm2_dir, stages, scheduling).start()
-    try:
-        greedy = [dict(max_tokens=16, ignore_eos=True)] * len(smollm2_prompts)
-        prompts = smollm2_prompts + smollm2_prompts[:4]
-        outcomes = stack.generate_many(prompts, greedy + SEEDED)
-        assert stack.stats().kv_usage == 0.0, "blocks still held after every request ended"
-    finally:
-        stack.stop()
+    outcomes = run_mode(stages, scheduling)
     flips = []
     for i, outcome in enumerate(outcomes[: len(smollm2_prompts)]):
         assert len(outcome.token_ids) == 16
@@ -44,12 +56,12 @@ def test_pipeline_greedy_equals_transformers(
             flips.append((i, matched))
     # A flip is accepted only at a near-tie of HF's own top-2 logits (compare_greedy checks).
     assert len(flips) <= 2, f"too many near-tie flips: {flips}"
-    _seeded_by_mode[(stages, scheduling)] = [o.token_ids for o in outcomes[len(smollm2_prompts) :]]
 
 
-def test_pipeline_seeded_sampling_identical_in_every_mode():
-    assert len(_seeded_by_mode) >= 2, "the mode tests above did not run"
-    (first_mode, first), *rest = _seeded_by_mode.items()
+def test_pipeline_seeded_sampling_identical_in_every_mode(run_mode, smollm2_prompts):
+    seeded = {mode: run_mode(*mode)[len(smollm2_prompts) :] for mode in MODES}
+    seeded = {mode: [o.token_ids for o in outcomes] for mode, outcomes in seeded.items()}
+    (first_mode, first), *rest = seeded.items()
     assert all(len(t) == 12 for t in first)
     for mode, tokens in rest:
         assert tokens == first, f"seeded sampling differs between {first_mode} and {mode}"

@@ -8,7 +8,8 @@
 Only the wire is replaced: plans and reports still go through the protobuf conversions of
 the gRPC path (`plan_to_pb` → `plan_from_pb`, `outcome_to_pb` → `result_from_report`), each
 stage runs its own `StageRunner` on its own compute thread, and request state goes to Redis.
-`LocalHub` logs every message between stages, so tests can see which path tokens took.
+`LocalHub` logs the tokens the last stage forwards to stage 0 (async mode), and the
+pipeline logs every plan and every report, so tests can see which path each token took.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ _REDIS_DB = 7  # a database of the session's private Redis that no other test ar
 
 
 class LocalHub:
-    """The in-memory wire of one pipeline: one FIFO per (session, channel), and a log.
+    """The in-memory wire of one pipeline: one FIFO per (session, channel), and a log of
+    the forwarded tokens.
 
     Channels: ("hidden", i) carries activations into stage i; ("tokens", 0) carries the last
     stage's sampled tokens to stage 0 (async mode).

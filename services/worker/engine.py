@@ -26,7 +26,7 @@ import torch
 
 from services.common.step import StepPlan, StepResult
 from services.worker.runner import StageRunner
-from services.worker.transport import PipelineLink, StageTransport
+from services.worker.transport import Link, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Session:
     on_outcome: Callable[[StepOutcome], None]
     epoch: int
     thread: threading.Thread | None = None
-    link: PipelineLink | None = None
+    link: Link | None = None
     broken: str | None = None
     """Why the session cannot run plans any more (each later plan is answered with it)."""
     is_stale: bool = False
@@ -105,9 +105,13 @@ class Timeline:
 
 
 class StageEngine:
-    """Executes plans of one pipeline session, in order, on one compute thread."""
+    """Executes plans of one pipeline session, in order, on one compute thread.
 
-    def __init__(self, runner: StageRunner, transport: StageTransport) -> None:
+    `transport` is a `StageTransport` in a worker; any `Transport` works (tests run every
+    stage of a pipeline in one process over an in-memory one).
+    """
+
+    def __init__(self, runner: StageRunner, transport: Transport) -> None:
         self.runner = runner
         self.transport = transport
         self._hidden_size = runner.model.config.hidden_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import deque
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,47 @@ _TAG_TOKENS = 2
 _MAX_PENDING_SENDS = 16
 
 
+class Link(Protocol):
+    """One session's messages between stages: all that `StageEngine` asks of a link.
+
+    `PipelineLink` (torch.distributed) is the one every worker uses; anything with these four
+    methods can stand in for it, e.g. the in-memory link of tests/pipeline/utils.py that runs
+    every stage in one process. Receivers know each message's shape from the step plan.
+    """
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """hidden: [T, H] to the next stage."""
+
+    def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, H] from the previous stage."""
+
+    def send_tokens(self, token_ids: torch.Tensor) -> None:
+        """token_ids: [N] int64, from the last stage to stage 0 (async mode)."""
+
+    def recv_tokens(self, num_tokens: int) -> torch.Tensor:
+        """[N] int64 from the last stage (stage 0, async mode)."""
+
+
+class Transport(Protocol):
+    """A stage's place in the pipeline and how it joins each session: the seam between
+    `StageEngine` and the wire. `StageTransport` is the production one."""
+
+    stage: int
+    num_stages: int
+
+    @property
+    def is_first(self) -> bool: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+    def connect(self, epoch: int = 0) -> Link:
+        """Joins the session `epoch` with every other stage (blocks until all have); the
+        compute thread of `StageEngine` calls it once per session."""
+
+
 class StageTransport:
-    """Forms one `PipelineLink` per session for this stage."""
+    """Forms one `PipelineLink` per session for this stage (a `Transport`)."""
 
     def __init__(
         self,
@@ -102,7 +142,8 @@ class StageTransport:
 
 
 class PipelineLink:
-    """One session's point-to-point links: to the next stage, and last stage → stage 0."""
+    """One session's point-to-point links: to the next stage, and last stage → stage 0
+    (a `Link`)."""
 
     def __init__(self, stage: int, num_stages: int, device: torch.device, group):
         self.stage, self.num_stages, self.device = stage, num_stages, device

@@ -1,0 +1,251 @@
+"""The real scheduler service driving real stage engines of a tiny model, in one process.
+
+What the multi-process suites check in minutes, in seconds: tokens equal to Hugging Face,
+sync = async for seeded sampling, stage 0 fed by the last stage in async mode, late
+finishes and aborts that free their KV blocks. Harness: tests/pipeline/utils.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.sampling import SamplingParams
+from services.models.tiny import make_tiny_model
+from services.scheduler.request import RequestStatus
+from tests.pipeline.utils import InProcessStack, Outcome
+from tests.worker.utils import compare_greedy, hf_greedy, make_prompts
+
+NUM_NEW = 24
+NUM_LOGPROBS = 3
+LOGPROB_ATOL = 1e-4  # fp32; observed differences are ~1e-6
+TIE_MARGIN = 1e-4  # a flip to HF's 2nd choice is accepted only below this top-2 margin
+STAGES_AND_MODES = [(p, m) for p in (1, 2, 3) for m in ("sync", "async")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Up to three compute threads share two cores: one intra-op thread each."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(model_dir, prompts, HF greedy tokens, HF logits per step). Untied embeddings: the
+    tied tiny model just repeats the last prompt token, which would hide a wrong input."""
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp("pipeline") / "tiny", tie_word_embeddings=False
+    )
+    prompts = make_prompts(6, vocab=512, seed=1)
+    return (model_dir, prompts, *hf_greedy(model_dir, prompts, NUM_NEW))
+
+
+def greedy(max_tokens: int = NUM_NEW, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def assert_whole(stack: InProcessStack) -> None:
+    """No stage failed (a recovery by recompute would hide it) and every block is free."""
+    assert stack.pipeline.errors == []
+    assert stack.pipeline.num_sessions == 1
+    assert stack.num_free_blocks == stack.num_blocks
+
+
+def assert_equals_hf(outcome: Outcome, ref_tokens: list[int], ref_logits) -> None:
+    """Greedy tokens equal HF's, and the logprobs the client got are HF's log_softmax."""
+    matched = compare_greedy(outcome.token_ids, ref_tokens, ref_logits, TIE_MARGIN)
+    for step in range(matched):
+        ref = ref_logits[step].log_softmax(-1)
+        top = ref.topk(NUM_LOGPROBS)
+        lp = outcome.logprobs[step]
+        assert lp.top_token_ids[0] == outcome.token_ids[step]
+        torch.testing.assert_close(
+            torch.tensor([lp.token_logprob, *lp.top_logprobs]),
+            torch.cat([ref[outcome.token_ids[step]].reshape(1), top.values]),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )
+    assert matched == len(ref_tokens), f"flipped at a near-tie at token {matched}"
+
+
+@pytest.mark.parametrize(("num_stages", "scheduling"), STAGES_AND_MODES)
+def test_pipeline_greedy_equals_transformers(num_stages, scheduling, model, redis_url):
+    """Prompts chunked under a small token budget; two arrive while the others decode."""
+    model_dir, prompts, ref_tokens, ref_logits = model
+
+    async def main():
+        async with InProcessStack(
+            model_dir, num_stages, scheduling, redis_url, max_num_batched_tokens=24
+        ) as stack:
+            sampling = greedy(logprobs=NUM_LOGPROBS)
+            first = [stack.submit(p, sampling)[1] for p in prompts[:4]]
+            outcomes = [Outcome() for _ in prompts]
+            await stack.collect(first[0], outcomes[0], num_tokens=2)
+            late = [stack.submit(p, sampling)[1] for p in prompts[4:]]
+            await asyncio.gather(
+                *(stack.collect(q, o) for q, o in zip(first + late, outcomes, strict=True))
+            )
+            return stack, outcomes
+
+    stack, outcomes = asyncio.run(main())
+    for outcome, tokens, logits in zip(outcomes, ref_tokens, ref_logits, strict=True):
+        assert outcome.finish_reason == "length"
+        assert_equals_hf(outcome, tokens, logits)
+    assert_whole(stack)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_pipeline_sync_and_async_sample_the_same_tokens(num_stages, model, redis_url):
+    """Seeded sampling: the same tokens in sync and async mode, and when the requests arrive
+    in the opposite order (other batches, other rows)."""
+    model_dir, prompts, ref_tokens, _ = model
+    sampling = [
+        SamplingParams(max_tokens=NUM_NEW, ignore_eos=True, temperature=1.0, seed=1000 + i)
+        for i in range(len(prompts))
+    ]
+    sampling[1].top_k, sampling[2].top_p, sampling[3].repetition_penalty = 20, 0.9, 1.3
+    order = list(range(len(prompts)))
+    outputs, batches = {}, {}
+    for scheduling, arrival in (("sync", order), ("async", order), ("async", order[::-1])):
+
+        async def main(scheduling=scheduling, arrival=arrival):
+            async with InProcessStack(
+                model_dir, num_stages, scheduling, redis_url, max_num_batched_tokens=24
+            ) as stack:
+                outcomes = await stack.generate(
+                    [prompts[i] for i in arrival],
+                    [sampling[i] for i in arrival],
+                    [f"p{i}" for i in arrival],
+                )
+                return stack, dict(zip(arrival, outcomes, strict=True))
+
+        stack, outcomes = asyncio.run(main())
+        assert_whole(stack)
+        run_name = f"{scheduling}, {'in order' if arrival == order else 'reversed'}"
+        outputs[run_name] = [outcomes[i].token_ids for i in order]
+        batches[run_name] = [
+            [r.request_id for r in (*plan.new_requests, *plan.cached_requests)]
+            for plan in stack.pipeline.plans
+        ]
+    assert outputs["sync, in order"] == outputs["async, in order"]
+    assert outputs["sync, in order"] == outputs["async, reversed"]
+    assert batches["async, reversed"] != batches["sync, in order"]
+    assert all(len(tokens) == NUM_NEW for tokens in outputs["sync, in order"])
+    assert outputs["sync, in order"] != ref_tokens, "temperature 1 sampled the greedy tokens"
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_pipeline_async_stage0_takes_decode_inputs_from_last_stage(num_stages, model, redis_url):
+    model_dir, prompts, ref_tokens, ref_logits = model
+
+    async def main():
+        async with InProcessStack(model_dir, num_stages, "async", redis_url) as stack:
+            sampling = [greedy(logprobs=NUM_LOGPROBS)] * len(prompts)
+            return stack, await stack.generate(prompts, sampling)
+
+    stack, outcomes = asyncio.run(main())
+    for outcome, tokens, logits in zip(outcomes, ref_tokens, ref_logits, strict=True):
+        assert_equals_hf(outcome, tokens, logits)
+    assert_whole(stack)
+    # The plans never told stage 0 a sampled token: it can only have come from the last stage.
+    cached = [c for plan in stack.pipeline.plans for c in plan.cached_requests]
+    assert cached and all(not c.new_token_ids for c in cached)
+    # Every sampled token went last → stage 0, in step order; stage 0 received them in order
+    # (but for the last steps' tokens, which no later step needed).
+    sampled = [list(r.token_ids) for r in stack.pipeline.results if r.token_ids]
+    hub = stack.hub
+    assert hub.tokens_sent == sampled
+    assert hub.tokens_received == hub.tokens_sent[: len(hub.tokens_received)]
+    num_decode_inputs = sum(len(o.token_ids) - 1 for o in outcomes)
+    assert sum(len(m) for m in hub.tokens_received) >= num_decode_inputs
+
+
+def test_pipeline_sync_sends_tokens_in_the_plan(model, redis_url):
+    """The contrast: in sync mode the scheduler carries each input token, nothing goes
+    last → first."""
+    model_dir, prompts, _, _ = model
+
+    async def main():
+        async with InProcessStack(model_dir, 2, "sync", redis_url) as stack:
+            return stack, await stack.generate(prompts[:2], [greedy(max_tokens=4)] * 2)
+
+    stack, _ = asyncio.run(main())
+    assert stack.hub.tokens_sent == []
+    cached = [c for plan in stack.pipeline.plans for c in plan.cached_requests]
+    assert cached and all(len(c.new_token_ids) == 1 for c in cached)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_pipeline_async_late_finish_discards_the_extra_token(num_stages, model, redis_url):
+    """Request "stop" ends at its first token (a stop token id). One request per step, one
+    per micro-batch: the first dispatch round plans its decode step before that token is
+    back, so the decode is computed and its token must be dropped. The workers forget it
+    with the next plan (the others run on after it)."""
+    model_dir, prompts, ref_tokens, _ = model
+    stop_token = ref_tokens[0][0]
+
+    async def main():
+        async with InProcessStack(
+            model_dir, num_stages, "async", redis_url, max_num_seqs=1
+        ) as stack:
+            queues = [stack.submit(prompts[0], greedy(stop_token_ids=[stop_token]), "stop")[1]]
+            for i in range(1, max(num_stages, 2)):
+                queues.append(stack.submit(prompts[i], greedy(max_tokens=8), f"other-{i}")[1])
+            outcomes = await asyncio.gather(*(stack.collect(q) for q in queues))
+            return stack, outcomes, stack.store.read_tokens("stop"), stack.store.read_state("stop")
+
+    stack, (stopped, *others), logged_tokens, logged_state = asyncio.run(main())
+    assert stopped == Outcome([stop_token], [None], "stop")
+    for i, outcome in enumerate(others, start=1):
+        assert outcome.token_ids == ref_tokens[i][:8]
+    stop_step = next(r.step_id for r in stack.pipeline.results if "stop" in r.request_ids)
+    extra = [
+        r.step_id
+        for r in stack.pipeline.results
+        if r.step_id > stop_step and "stop" in r.request_ids
+    ]
+    assert extra == [stop_step + num_stages], "the late decode step was not computed"
+    assert logged_tokens == [stop_token]  # the Redis token log
+    assert logged_state is RequestStatus.FINISHED_STOPPED
+    assert all("stop" not in runner.requests for runner in stack.runners)
+    assert_whole(stack)
+
+
+@pytest.mark.parametrize(("num_stages", "scheduling"), [(2, "async"), (3, "async"), (2, "sync")])
+def test_pipeline_abort_mid_stream_frees_blocks_and_spares_the_others(
+    num_stages, scheduling, model, redis_url
+):
+    model_dir, prompts, ref_tokens, _ = model
+
+    async def main():
+        async with InProcessStack(model_dir, num_stages, scheduling, redis_url) as stack:
+            queues = [stack.submit(p, greedy(), f"r{i}")[1] for i, p in enumerate(prompts[:3])]
+            aborted = await stack.collect(queues[0], num_tokens=2)
+            block_manager = stack.service.scheduler.block_manager
+            num_held = len(block_manager.block_table("r0"))
+            num_free = block_manager.num_free_blocks
+            assert stack.service.abort("r0")
+            # Freed at once, not when its in-flight steps come back (prompts share no prefix).
+            assert num_held > 0
+            assert block_manager.num_free_blocks == num_free + num_held
+            outcomes = await asyncio.gather(
+                stack.collect(queues[0], aborted), *(stack.collect(q) for q in queues[1:])
+            )
+            return stack, outcomes, stack.store.read_tokens("r0"), stack.store.read_state("r0")
+
+    stack, (aborted, *others), logged_tokens, logged_state = asyncio.run(main())
+    assert aborted.finish_reason == "abort"
+    assert 2 <= len(aborted.token_ids) < NUM_NEW
+    assert aborted.token_ids == ref_tokens[0][: len(aborted.token_ids)]
+    assert logged_tokens == aborted.token_ids  # late tokens of r0 never reached Redis
+    assert logged_state is RequestStatus.FINISHED_ABORTED
+    for i, outcome in enumerate(others, start=1):
+        assert outcome.token_ids == ref_tokens[i]
+        assert outcome.finish_reason == "length"
+    assert all("r0" not in runner.requests for runner in stack.runners)
+    assert_whole(stack)

@@ -142,6 +142,9 @@ class GrpcServer:
         self.name = name
         self.address = f"{host}:{port}"
         self.service_names = list(service_names)
+        # No SO_REUSEPORT: a second process on a taken port is an error, not a silent share
+        # of the first one's connections.
+        options = [("grpc.so_reuseport", 0), *options]
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(name)], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -58,3 +58,9 @@ class RequestFailed(ConveyorError):
 
 class StateStoreError(ConveyorError):
     """Redis could not be reached or answered an error; state is left as it was."""
+
+
+class StoreLost(StateStoreError):
+    """The store lost state that was written to it (Redis restarted empty or from an older
+    snapshot, keys evicted): the scheduler, whose memory is the source of truth while it
+    lives, must write every live request again."""

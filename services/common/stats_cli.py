@@ -44,6 +44,7 @@ def stats_to_dict(msg, top: int) -> dict:
     blocks = sorted(msg.request_blocks.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "serving": msg.serving,
+        "not_serving_reason": msg.not_serving_reason,
         "scheduling": msg.scheduling,
         "num_stages": msg.num_stages,
         "num_waiting": msg.num_waiting,
@@ -72,8 +73,8 @@ def format_table(stats: dict) -> str:
     rows = [
         (
             "serving",
-            f"{'yes' if stats['serving'] else 'no'} ({stats['scheduling']}, "
-            f"{stats['num_stages']} stages)",
+            f"{'yes' if stats['serving'] else 'no: ' + stats['not_serving_reason']} "
+            f"({stats['scheduling']}, {stats['num_stages']} stages)",
         ),
         (
             "requests",

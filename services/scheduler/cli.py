@@ -97,6 +97,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {_default('max_waiting')})",
     )
     parser.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=_default("orphan_timeout_s"),
+        help="seconds before a request nobody listens to (its router or client is gone) is "
+        f"aborted (default: {_default('orphan_timeout_s')})",
+    )
+    parser.add_argument(
+        "--store-grace",
+        type=float,
+        default=_default("store_grace_s"),
+        help="seconds of Redis write failures ridden out before health turns NOT_SERVING "
+        f"(default: {_default('store_grace_s')})",
+    )
+    parser.add_argument(
         "--finished-ttl",
         type=int,
         default=_default("finished_ttl_s"),
@@ -144,6 +158,8 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_waiting=args.max_waiting,
         finished_ttl_s=args.finished_ttl,
+        orphan_timeout_s=args.orphan_timeout,
+        store_grace_s=args.store_grace,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint,
         trace_scheduler=args.trace_scheduler,
@@ -161,5 +177,4 @@ def run(args: argparse.Namespace) -> int:
         from services.common.errors import ConfigError
 
         raise ConfigError("--workers lists no address: give each stage worker's HOST:PORT")
-    asyncio.run(serve(config))
-    return 0
+    return asyncio.run(serve(config))

@@ -96,6 +96,13 @@ class SchedulerConfig:
     """Steps in flight (`--max-inflight`); None: 2P in async mode, P in sync mode."""
     max_waiting: int = 10_000
     """Most requests waiting in the queue; one more raises `QueueFull` (`--max-waiting`)."""
+    orphan_timeout_s: float = 5.0
+    """A request nobody listens to (its router or client went away, or it was recovered
+    after a restart and no router resumed it) is aborted after this many seconds
+    (`--orphan-timeout`)."""
+    store_grace_s: float = 3.0
+    """Redis write failures shorter than this are ridden out (tokens stay buffered); longer
+    ones turn health NOT_SERVING and refuse new requests (`--store-grace`)."""
 
     # -- the service ----------------------------------------------------------------------
     workers: list[str] = field(default_factory=list)
@@ -135,6 +142,10 @@ class SchedulerConfig:
         _at_least("num_stages", self.num_stages, 1)
         _at_least("max_waiting", self.max_waiting, 1)
         _at_least("finished_ttl_s", self.finished_ttl_s, 1)
+        for name in ("orphan_timeout_s", "store_grace_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name}={value!r} is out of range: must be > 0 seconds")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:

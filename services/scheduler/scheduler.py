@@ -68,6 +68,7 @@ class Scheduler:
         """Every unfinished request, waiting or running."""
         self.running: dict[str, Request] = {}
         self.outputs = StepOutputs(store)
+        self.outputs.live_requests = self.requests.values
         self.num_preemptions = 0
         self._next_step_id = 0
         self._finished_ids: list[str] = []
@@ -97,6 +98,11 @@ class Scheduler:
             raise RequestExists(
                 f"request id {request.request_id} is already in use: pick a unique id, or "
                 "Resume it to follow its stream"
+            )
+        if self.outputs.has_pending(request.request_id):
+            raise RequestExists(
+                f"request id {request.request_id} belongs to a request whose last tokens are "
+                "not persisted yet: pick a unique id, or retry in a moment"
             )
         if request.num_tokens >= cfg.max_model_len:
             raise PromptTooLong(
@@ -358,13 +364,9 @@ class Scheduler:
         discarded. Raises `StateStoreError` if the store is down; the writes and deltas are
         kept and go out with the next successful call.
         """
+        self.check_result(result)
         step_id = result.step_id
         logprobs = result.logprobs or [None] * len(result.request_ids)
-        if not len(result.request_ids) == len(result.token_ids) == len(logprobs):
-            raise ValueError(
-                f"step {step_id} result is malformed: {len(result.request_ids)} request ids, "
-                f"{len(result.token_ids)} tokens, {len(logprobs)} logprobs (must be equal)"
-            )
         triples = zip(result.request_ids, result.token_ids, logprobs, strict=True)
         for request_id, token_id, lp in triples:
             request = self.requests.get(request_id)
@@ -380,6 +382,19 @@ class Scheduler:
             if finished is not None:
                 self._finish(request, finished)
         return self.outputs.flush()
+
+    def check_result(self, result: StepResult) -> None:
+        """Raises ValueError when a stage's result cannot be a result of a planned step."""
+        num_logprobs = len(result.logprobs) if result.logprobs else len(result.request_ids)
+        if not len(result.request_ids) == len(result.token_ids) == num_logprobs:
+            raise ValueError(
+                f"step {result.step_id} result is malformed: {len(result.request_ids)} request "
+                f"ids, {len(result.token_ids)} tokens, {num_logprobs} logprobs (must be equal)"
+            )
+        if not 0 <= result.step_id < self._next_step_id:
+            raise ValueError(f"step {result.step_id} was never planned")
+        if any(not 0 <= t < 2**31 for t in result.token_ids):
+            raise ValueError(f"step {result.step_id} result holds a token id out of range")
 
     def updates_pending(self) -> list[RequestUpdate]:
         """State changes not yet persisted (for tests and diagnostics)."""

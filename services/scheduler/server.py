@@ -83,6 +83,7 @@ async def stats_to_pb(
         serving=service.serving,
         scheduling=service.config.scheduling.value,
         num_steps=service.counters.num_steps,
+        not_serving_reason=service.not_serving_reason or "",
     )
     core = service.scheduler
     if core is None:
@@ -108,8 +109,10 @@ async def stats_to_pb(
     return msg
 
 
-async def serve(config: SchedulerConfig) -> None:
-    """Runs the scheduler until SIGTERM/SIGINT, then writes the timeline and stops."""
+async def serve(config: SchedulerConfig) -> int:
+    """Runs the scheduler until SIGTERM/SIGINT, then writes the timeline and stops; returns
+    the exit code: 1 when the scheduling loop died (a supervisor restarts the process, which
+    recovers every request from Redis), else 0."""
     from services.common.redis_server import RedisServer
     from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
@@ -137,7 +140,16 @@ async def serve(config: SchedulerConfig) -> None:
     await asyncio.wait({starter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if starter.done() and starter.exception():
         raise starter.exception()
-    await stopper
+    exit_code = 0
+    if not stopper.done():
+        dead = asyncio.create_task(service.loop_done())
+        await asyncio.wait({stopper, dead}, return_when=asyncio.FIRST_COMPLETED)
+        if dead.done():
+            logger.critical("the scheduling loop died: %r; exiting", dead.result())
+            await server.set_serving(False)
+            exit_code = 1
+        else:
+            dead.cancel()
     await server.health.enter_graceful_shutdown()
     if config.timeline and service.scheduler is not None:
         try:
@@ -153,3 +165,4 @@ async def serve(config: SchedulerConfig) -> None:
     store.close()
     if redis_server:
         redis_server.stop()
+    return exit_code

@@ -11,6 +11,12 @@ reported, so stage 0 finds its next plan waiting and takes the input tokens stra
 the last stage. In sync mode K = P and a request waits for its token to come back.
 A stage that fails or disappears ends the session: every running request goes back to the
 queue, to be recomputed once every stage answers Describe again.
+
+Health tells the truth: SERVING only while the pipeline is whole, the store takes writes
+(a failure shorter than `store_grace_s` is ridden out) and the loop runs. A request nobody
+listens to any more (its router died, its client went away) is aborted after
+`orphan_timeout_s`, so no KV is held for nobody. An unexpected exception in the loop ends
+it; `loop_done()` then returns and the process exits non-zero, for a supervisor to restart.
 """
 
 from __future__ import annotations
@@ -75,8 +81,15 @@ class SchedulerService:
         self.store = store
         self.scheduler: Scheduler | None = None
         self.info: PipelineInfo | None = None
-        self.serving = False
         self.counters = StepCounters()
+        self.not_serving_reason: str | None = "starting: waiting for the pipeline"
+        """Why health is NOT_SERVING (None while SERVING)."""
+        self._is_pipeline_whole = False
+        self._store_failing_since: float | None = None
+        self._store_error: str | None = None
+        self._orphaned_at: dict[str, float] = {}
+        """Unfinished requests without a subscriber, and since when (monotonic s)."""
+        self._reaper: asyncio.Task | None = None
         self._subscribers: dict[str, list[asyncio.Queue]] = {}
         self._wake = asyncio.Event()
         self._inflight = 0
@@ -89,6 +102,10 @@ class SchedulerService:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def serving(self) -> bool:
+        return self.not_serving_reason is None
+
     def on_serving_change(self, callback) -> None:
         self._on_serving_change = callback
 
@@ -97,17 +114,30 @@ class SchedulerService:
         self.info = await self.pipeline.wait_ready()
         self.config = config = self.config.resolved(self.info)
         self.scheduler = await asyncio.to_thread(Scheduler.recover, config, self.store)
+        now = time.monotonic()
+        for request_id in self.scheduler.requests:  # recovered: their routers must Resume
+            self._orphaned_at[request_id] = now
         if self.observer is not None:
             self.scheduler.outputs.on_state = self.observer.on_state
             for request in self.scheduler.requests.values():  # recovered: first seen here
                 self.observer.on_state(request)
         await self._open_session()
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+        self._reaper = asyncio.create_task(self._reap_orphans(), name="orphan-reaper")
+
+    async def loop_done(self) -> BaseException | None:
+        """Returns when the scheduling loop ended (it never does unless it failed), with the
+        exception that ended it."""
+        while self._task is None:
+            await asyncio.sleep(0.1)
+        await asyncio.gather(self._task, return_exceptions=True)
+        return None if self._task.cancelled() else self._task.exception()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._reaper):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.observer is not None:
             self.observer.close()
         await self.pipeline.shutdown()
@@ -127,7 +157,9 @@ class SchedulerService:
         errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError). `traceparent`
         (W3C) names the router's span, the parent of this request's span."""
         if not self.serving or self.scheduler is None:
-            raise PipelineUnavailable("the pipeline is not whole: retry in a few seconds")
+            raise PipelineUnavailable(
+                f"the scheduler is not serving ({self.not_serving_reason}): retry in a few seconds"
+            )
         if sampling.seed is None and not sampling.is_greedy:
             # A fixed seed makes recompute after preemption or a restart reproduce the tokens.
             sampling.seed = random.getrandbits(63)
@@ -150,11 +182,14 @@ class SchedulerService:
         return queue
 
     def unsubscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+        """The stream reading `queue` ended; a request left without any is an orphan."""
         queues = self._subscribers.get(request_id)
         if queues and queue in queues:
             queues.remove(queue)
             if not queues:
                 del self._subscribers[request_id]
+                if self.scheduler is not None and request_id in self.scheduler.requests:
+                    self._orphaned_at[request_id] = time.monotonic()
 
     def abort(self, request_id: str) -> bool:
         """Aborts an unfinished request; False when it is unknown or already finished."""
@@ -179,6 +214,7 @@ class SchedulerService:
             return None
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.setdefault(request_id, []).append(queue)
+        self._orphaned_at.pop(request_id, None)
         return queue
 
     async def resume(self, request_id: str, offset: int = 0) -> AsyncIterator[TokenDelta]:
@@ -187,10 +223,17 @@ class SchedulerService:
         `UnknownRequest` when the request is neither here nor in the store."""
         queue = self.attach(request_id)  # attach first: no token slips in between
         try:
-            status = await asyncio.to_thread(self.store.read_state, request_id)
+            try:
+                status = await asyncio.to_thread(self.store.read_state, request_id)
+                tokens = await asyncio.to_thread(self.store.read_tokens, request_id, 0)
+            except StateStoreError as exc:
+                raise PipelineUnavailable(f"cannot read request {request_id}: {exc}") from exc
+            if status is None and queue is not None:  # live here, but Redis lost it
+                raise PipelineUnavailable(
+                    f"request {request_id} is being written to Redis again: retry in a moment"
+                )
             if status is None:
                 raise UnknownRequest(f"request {request_id} is not known (or expired)")
-            tokens = await asyncio.to_thread(self.store.read_tokens, request_id, 0)
             # Not running here (and not finished: a restarted scheduler still recovering):
             # the stream ends without a finish reason and the router resumes again later.
             is_done = queue is None or status.is_finished
@@ -219,13 +262,16 @@ class SchedulerService:
     async def _run(self) -> None:
         while True:
             try:
+                if self._store_failing_since is not None:
+                    self._flush_buffered()
                 await self._dispatch()
                 await self._wait_and_process()
+                self._store_ok()
             except (PipelineBroken, PipelineUnavailable) as exc:
                 await self._recover_pipeline(str(exc))
             except StateStoreError as exc:
-                logger.error("%s; retrying in 1 s", exc)
-                await asyncio.sleep(1.0)
+                self._store_failed(exc)
+                await asyncio.sleep(0.5)
 
     async def _dispatch(self) -> None:
         scheduler = self.scheduler
@@ -280,8 +326,17 @@ class SchedulerService:
         self.counters.num_reports += 1
         if self.observer is not None:
             self.observer.begin_step(report.step_id)
-        deltas = self.scheduler.process_result(result_from_report(report))
-        self._publish(deltas)
+        try:
+            result = result_from_report(report)
+            self.scheduler.check_result(result)
+        except ValueError as exc:  # a stage that sends nonsense is broken: re-form the pipeline
+            raise PipelineBroken(f"stage {item.stage} sent a malformed report: {exc}") from exc
+        self._publish(self.scheduler.process_result(result))
+
+    def _flush_buffered(self) -> None:
+        """While the store fails: send what is buffered again (even with no step left to
+        process, the last tokens of finished requests must reach their clients)."""
+        self._publish(self.scheduler.outputs.flush())
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -294,11 +349,43 @@ class SchedulerService:
     async def _open_session(self) -> None:
         self._inflight = 0
         await self.pipeline.open()
-        self._set_serving(True)
+        self._is_pipeline_whole = True
+        self._update_health()
+
+    def _store_failed(self, exc: StateStoreError) -> None:
+        now = time.monotonic()
+        if self._store_failing_since is None:
+            self._store_failing_since = now
+            logger.error("%s; retrying (tokens stay buffered meanwhile)", exc)
+        if now - self._store_failing_since >= self.config.store_grace_s:
+            self._store_error = (
+                f"Redis unavailable for {now - self._store_failing_since:.0f} s: {exc}"
+            )
+            self._update_health()
+
+    def _store_ok(self) -> None:
+        if self._store_failing_since is not None and not self.scheduler.outputs.pending_updates():
+            logger.info("Redis writes succeed again")
+            self._store_failing_since = self._store_error = None
+            self._update_health()
+
+    async def _reap_orphans(self) -> None:
+        """Aborts requests nobody has listened to for `orphan_timeout_s`."""
+        timeout = self.config.orphan_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 2))
+            now = time.monotonic()
+            expired = [r for r, since in self._orphaned_at.items() if now - since >= timeout]
+            for request_id in expired:
+                del self._orphaned_at[request_id]
+                if request_id not in self._subscribers:
+                    logger.info("aborting %s: nobody listened for %.0f s", request_id, timeout)
+                    self.abort(request_id)  # False, harmless, if it finished meanwhile
 
     async def _recover_pipeline(self, reason: str) -> None:
         logger.error("pipeline broken: %s; re-queuing running requests", reason)
-        self._set_serving(False)
+        self._is_pipeline_whole = False
+        self._update_health(f"pipeline not whole: {reason}")
         await self.pipeline.close()
         self.scheduler.requeue_running()
         while True:
@@ -310,7 +397,14 @@ class SchedulerService:
         await self._open_session()
         logger.info("pipeline whole again; resuming %d requests", len(self.scheduler.requests))
 
-    def _set_serving(self, serving: bool) -> None:
-        self.serving = serving
-        if self._on_serving_change is not None:
-            self._on_serving_change(serving)
+    def _update_health(self, pipeline_problem: str = "pipeline not whole") -> None:
+        was_serving = self.serving
+        if not self._is_pipeline_whole:
+            self.not_serving_reason = pipeline_problem
+        else:
+            self.not_serving_reason = self._store_error
+        if self.serving != was_serving:
+            if not self.serving:
+                logger.warning("NOT_SERVING: %s", self.not_serving_reason)
+            if self._on_serving_change is not None:
+                self._on_serving_change(self.serving)

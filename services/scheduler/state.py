@@ -50,6 +50,10 @@ class StateStore(Protocol):
         """Persist one step's state changes and appended tokens in one round trip.
         Idempotent: applying the same updates twice appends nothing twice."""
 
+    def rewrite(self, requests: list[Request]) -> None:
+        """Write these requests whole after the store lost state (`StoreLost`), and close the
+        unfinished requests it lists that are not among them."""
+
     def load_unfinished(self) -> list[Request]:
         """Every unfinished request, WAITING, with prompt and outputs so far, oldest first."""
 

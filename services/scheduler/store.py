@@ -20,6 +20,14 @@ atomicity across requests; what holds instead:
   `load_unfinished()` checks each id's own state and drops stale entries.
 
 Any Redis failure raises `StateStoreError`; the caller keeps its writes and sends them again.
+
+While the scheduler lives, its memory is the source of truth and Redis its durable copy.
+`apply()` notices when Redis lost what was written — a different server `run_id` (Redis
+restarted, empty or from an older snapshot; checked at least every `check_interval_s` and
+after every failed round trip), or a request's keys missing or shorter than its log — and
+raises `StoreLost`; the caller then `rewrite()`s every live request from memory, and
+requests the old snapshot still lists as unfinished but the scheduler no longer holds are
+closed as aborted (they finished while Redis was down: never recomputed, never duplicated).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
-from services.common.errors import StateStoreError
+from services.common.errors import StateStoreError, StoreLost
 from services.common.sampling import SamplingParams
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import RequestUpdate
@@ -44,6 +52,7 @@ from services.scheduler.state import RequestUpdate
 logger = logging.getLogger(__name__)
 
 INDEX_KEY = "conveyor:unfinished"
+LOST_REASON = "Redis lost this request's state (restarted from an older snapshot)"
 
 # KEYS: meta, tokens. ARGV: offset, state ('' = unchanged), reason, ttl (0 = none), tokens...
 _APPEND_SCRIPT = """
@@ -80,7 +89,13 @@ def tokens_key(request_id: str) -> str:
 class RedisStateStore:
     """`StateStore` over Redis (redis-py with hiredis). Counts its round trips."""
 
-    def __init__(self, url: str, finished_ttl_s: int = 3600, timeout_s: float = 2.0):
+    def __init__(
+        self,
+        url: str,
+        finished_ttl_s: int = 3600,
+        timeout_s: float = 2.0,
+        check_interval_s: float = 1.0,
+    ):
         if finished_ttl_s < 1:
             raise StateStoreError(f"finished_ttl_s={finished_ttl_s} must be >= 1 second")
         self.url = url
@@ -96,6 +111,10 @@ class RedisStateStore:
             retry=Retry(NoBackoff(), 0),
         )
         self._script_sha: str | None = None
+        self._run_id: str | None = None
+        """The Redis server instance our state was written to (INFO server run_id)."""
+        self._check_interval_s = check_interval_s
+        self._next_check = 0.0
 
     def close(self) -> None:
         self._client.close()
@@ -118,15 +137,77 @@ class RedisStateStore:
         if not updates:
             return
         sha = self._script_sha or self._load_script()
-        results = self._execute(self._apply_pipeline(sha, updates))
+        check = time.monotonic() >= self._next_check
+        results = self._execute(self._apply_pipeline(sha, updates, check))
         if any(isinstance(r, NoScriptError) for r in results):
-            results = self._execute(self._apply_pipeline(self._load_script(), updates))
+            results = self._execute(self._apply_pipeline(self._load_script(), updates, check))
+        if check:
+            self._check_run_id(results.pop(0))
+        lost = [u.request_id for u, r in zip(updates, results, strict=False) if _is_lost(r)]
+        if lost:
+            raise StoreLost(
+                f"Redis at {self.url} lost the state of {len(lost)} requests (e.g. {lost[0]})"
+            )
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise StateStoreError(f"Redis at {self.url} refused a state write: {errors[0]}")
 
-    def _apply_pipeline(self, sha: str, updates: list[RequestUpdate]):
+    def rewrite(self, requests: list[Request]) -> None:
+        """Writes these requests whole (state, prompt, params, every output token), after
+        Redis lost state; unfinished requests the index lists but `requests` lacks are closed
+        as aborted. Leaves the store in step with the caller's memory."""
+        sha = self._load_script()  # a restarted Redis has lost its scripts
         pipe = self._client.pipeline(transaction=False)
+        pipe.info("server")
+        pipe.zrange(INDEX_KEY, 0, -1)
+        info, listed = self._execute_checked(pipe)
+        ids = {r.request_id for r in requests}
+        pipe = self._client.pipeline(transaction=False)
+        for request in requests:
+            self._write_whole(pipe, request)
+        stale = [i.decode() for i in listed if i.decode() not in ids]
+        aborted = RequestStatus.FINISHED_ABORTED.value
+        for request_id in stale:  # the script leaves a vanished request alone
+            keys = (meta_key(request_id), tokens_key(request_id))
+            pipe.evalsha(sha, 2, *keys, 0, aborted, LOST_REASON, self.finished_ttl_s)
+        if stale:
+            pipe.zrem(INDEX_KEY, *stale)
+        self._execute_checked(pipe)
+        self._run_id = info.get("run_id")
+        logger.warning(
+            "rewrote %d requests to Redis at %s; closed %d it listed as unfinished",
+            len(requests),
+            self.url,
+            len(stale),
+        )
+
+    def _write_whole(self, pipe, request: Request) -> None:
+        request_id = request.request_id
+        pipe.delete(tokens_key(request_id))
+        pipe.hset(meta_key(request_id), mapping=_encode_meta(request))
+        if request.output_token_ids:
+            pipe.rpush(tokens_key(request_id), *request.output_token_ids)
+        if request.status.is_finished:
+            pipe.expire(meta_key(request_id), self.finished_ttl_s)
+            pipe.expire(tokens_key(request_id), self.finished_ttl_s)
+            pipe.zrem(INDEX_KEY, request_id)
+        else:
+            pipe.zadd(INDEX_KEY, {request_id: request.arrival_time})
+
+    def _check_run_id(self, info) -> None:
+        self._next_check = time.monotonic() + self._check_interval_s
+        if isinstance(info, Exception):
+            raise StateStoreError(f"Redis at {self.url} refused INFO: {info}")
+        run_id = info.get("run_id")
+        if self._run_id is None:
+            self._run_id = run_id
+        elif run_id != self._run_id:
+            raise StoreLost(f"Redis at {self.url} restarted (run_id {run_id})")
+
+    def _apply_pipeline(self, sha: str, updates: list[RequestUpdate], check: bool):
+        pipe = self._client.pipeline(transaction=False)
+        if check:
+            pipe.info("server")
         finished_ids = []
         for u in updates:
             state = u.status.value if u.status is not None else ""
@@ -144,8 +225,11 @@ class RedisStateStore:
     def load_unfinished(self) -> list[Request]:
         """Every unfinished request, WAITING with its prompt and outputs so far, oldest first."""
         pipe = self._pipeline_loading_script()
+        pipe.info("server")
         pipe.zrange(INDEX_KEY, 0, -1)
-        ids = [i.decode() for i in self._execute_loading_script(pipe)[-1]]
+        *_, info, listed = self._execute_loading_script(pipe)
+        self._run_id = info.get("run_id")
+        ids = [i.decode() for i in listed]
         pipe = self._client.pipeline(transaction=False)
         for request_id in ids:
             pipe.hgetall(meta_key(request_id))
@@ -199,6 +283,13 @@ class RedisStateStore:
     def _execute(self, pipe) -> list:
         return self._execute_one(lambda _client: pipe.execute(raise_on_error=False))
 
+    def _execute_checked(self, pipe) -> list:
+        results = self._execute(pipe)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise StateStoreError(f"Redis at {self.url} refused a command: {errors[0]}")
+        return results
+
     def _execute_one(self, command):
         self.round_trips += 1
         observe = self.on_round_trip
@@ -206,6 +297,7 @@ class RedisStateStore:
         try:
             return command(self._client)
         except RedisError as exc:
+            self._next_check = 0.0  # Redis may have restarted: check its run_id next time
             raise self._error(exc) from exc
         finally:
             if observe is not None:
@@ -248,3 +340,11 @@ def _decode_request(request_id: str, meta: dict[bytes, bytes], outputs: list[int
         output_token_ids=outputs,
         **spec,
     )
+
+
+def _is_lost(result) -> bool:
+    """Whether an append script's result says Redis lost the request's state: its meta is
+    gone (-1), or its token log is shorter than what was written (CONVEYOR_GAP)."""
+    if isinstance(result, Exception):
+        return "CONVEYOR_GAP" in str(result)
+    return result == -1

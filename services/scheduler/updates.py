@@ -4,14 +4,17 @@ The scheduler records every state change and appended token here while it plans 
 processes results; `flush()` sends them to the store in one round trip and returns the
 deltas. If the store is down, both stay buffered (and merge with the next step's), so no
 token is lost or streamed before it is persisted; the store's appends are offset-checked, so
-a flush that half-reached Redis and is sent again appends nothing twice.
+a flush that half-reached Redis and is sent again appends nothing twice. If the store lost
+state (`StoreLost`: Redis restarted empty or stale), every live request and every request
+with a buffered change is written whole again from memory, the source of truth.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from services.common.errors import StoreLost
 from services.common.step import TokenLogprobs
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
@@ -24,7 +27,12 @@ class StepOutputs:
 
     def __init__(self, store: StateStore | None):
         self.store = store
+        self.live_requests: Callable[[], Iterable[Request]] = list
+        """Every unfinished request (set by the scheduler): what a lost store is rewritten
+        with."""
         self._updates: dict[str, RequestUpdate] = {}
+        self._updated: dict[str, Request] = {}
+        """The request behind each buffered update (a finished one is no longer live)."""
         self._deltas: dict[str, TokenDelta] = {}
         self.on_state: Callable[[Request], None] | None = None
         """Called after every state change (the scheduler's event trace, spans, metrics)."""
@@ -40,7 +48,7 @@ class StepOutputs:
             self.on_state(request)
         if self.store is None:
             return
-        update = self._update(request.request_id)
+        update = self._update(request)
         update.status = request.status
         update.reason = request.fail_reason
 
@@ -54,7 +62,7 @@ class StepOutputs:
         """`token_id` was just appended to `request`'s output."""
         offset = request.num_output_tokens - 1
         if self.store is not None:
-            update = self._update(request.request_id)
+            update = self._update(request)
             if not update.token_ids:
                 update.offset = offset
             update.token_ids.append(token_id)
@@ -72,8 +80,15 @@ class StepOutputs:
         """Persist the buffered writes (one round trip) and hand out the buffered deltas.
         Raises `StateStoreError` and keeps both buffered when the store is down."""
         if self.store is not None and self._updates:
-            self.store.apply(list(self._updates.values()))
+            try:
+                self.store.apply(list(self._updates.values()))
+            except StoreLost as exc:
+                logger.warning("%s; writing every live request again", exc)
+                requests = {r.request_id: r for r in self.live_requests()}
+                requests.update(self._updated)
+                self.store.rewrite(list(requests.values()))
             self._updates.clear()
+            self._updated.clear()
         deltas = list(self._deltas.values())
         self._deltas.clear()
         for delta in deltas:
@@ -84,8 +99,13 @@ class StepOutputs:
     def pending_updates(self) -> list[RequestUpdate]:
         return list(self._updates.values())
 
-    def _update(self, request_id: str) -> RequestUpdate:
-        update = self._updates.get(request_id)
+    def has_pending(self, request_id: str) -> bool:
+        """Whether a change or a delta of `request_id` is still buffered (not flushed)."""
+        return request_id in self._updates or request_id in self._deltas
+
+    def _update(self, request: Request) -> RequestUpdate:
+        update = self._updates.get(request.request_id)
         if update is None:
-            update = self._updates[request_id] = RequestUpdate(request_id)
+            update = self._updates[request.request_id] = RequestUpdate(request.request_id)
+            self._updated[request.request_id] = request
         return update

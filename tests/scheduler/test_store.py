@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from services.common.errors import StateStoreError
+from services.common.errors import StateStoreError, StoreLost
 from services.common.step import StepResult
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
@@ -87,7 +87,7 @@ def test_store_replayed_step_appends_nothing_twice(store):
     store.apply([update])  # a re-sent flush
     assert store.read_tokens("r") == [11, 12]
     assert store.read_tokens("r", offset=1) == [12]
-    with pytest.raises(StateStoreError, match="CONVEYOR_GAP"):
+    with pytest.raises(StoreLost, match="lost the state of 1 requests"):  # a gap: rewrite
         store.apply([RequestUpdate("r", offset=5, token_ids=[99])])
     assert store.read_tokens("r") == [11, 12]
 

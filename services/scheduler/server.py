@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
@@ -155,6 +156,7 @@ async def stats_to_pb(
 
 
 async def serve(args, options: ServiceOptions) -> None:
+    from services.common.redis_auth import redis_connection_kwargs
     from services.common.redis_server import RedisServer
     from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
@@ -166,7 +168,9 @@ async def serve(args, options: ServiceOptions) -> None:
         redis_server = RedisServer().start()
         redis_url = redis_server.url
         logger.warning("no --redis-url: using a private redis-server; state will not survive it")
-    store = RedisStateStore(redis_url, finished_ttl_s=args.finished_ttl)
+    store = RedisStateStore(
+        redis_url, finished_ttl_s=args.finished_ttl, **redis_connection_kwargs(os.environ)
+    )
     pipeline = Pipeline([a.strip() for a in args.workers.split(",") if a.strip()])
     service = SchedulerService(options, pipeline, store)
     close_observers = install_observers(

@@ -46,6 +46,10 @@ def default_batched_tokens(device: str, chunked_prefill: bool, max_model_len: in
     return budget if chunked_prefill else max(budget, max_model_len)
 
 
+RECOVER_RETRY_S = (1.0, 30.0)
+"""First and longest wait between tries to read the request state from Redis at start."""
+
+
 @dataclass(slots=True)
 class ServiceOptions:
     """Scheduler settings from the CLI; KV geometry comes from the workers."""
@@ -132,13 +136,26 @@ class SchedulerService:
             num_stages=self.info.num_stages,
             max_waiting=opts.max_waiting,
         )
-        self.scheduler = await asyncio.to_thread(Scheduler.recover, config, self.store)
+        self.scheduler = await self._recover_state(config)
         if self.observer is not None:
             self.scheduler.outputs.on_state = self.observer.on_state
             for request in self.scheduler.requests.values():  # recovered: first seen here
                 self.observer.on_state(request)
         await self._open_session()
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
+
+    async def _recover_state(self, config: SchedulerConfig) -> Scheduler:
+        """`Scheduler.recover` from Redis, retried with backoff while Redis refuses (down, or
+        a wrong password): the service stays up and NOT_SERVING and says why once per try,
+        rather than exiting into a restart loop."""
+        delay_s = RECOVER_RETRY_S[0]
+        while True:
+            try:
+                return await asyncio.to_thread(Scheduler.recover, config, self.store)
+            except StateStoreError as exc:
+                logger.error("cannot read request state: %s Retrying in %.0f s.", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, RECOVER_RETRY_S[1])
 
     async def stop(self) -> None:
         if self._task:

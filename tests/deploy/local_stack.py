@@ -19,6 +19,7 @@ the image's default 6379 (where the machine's own Redis may listen).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -36,6 +37,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.redis_server import find_redis_server, free_port
 from services.launcher import child_env
 from tests.deploy.utils import REPO, clean_env
@@ -193,12 +195,12 @@ class LocalStack:
         mounts = self.network.mounts[container.host]
         if container.workdir in mounts:
             return mounts[container.workdir]
-        path = self.host_dir(container.host) / f"{container.name}-workdir"
+        path = self.host_dir(container.host) / f"{container.name.replace('/', '_')}-workdir"
         path.mkdir(exist_ok=True)
         return path
 
     def start(self, container: Container) -> None:
-        log = self.host_dir(container.host) / f"{container.name}.log"
+        log = self.host_dir(container.host) / f"{container.name.replace('/', '_')}.log"
         argv = self.network.localize_argv(container.argv, container.host)
         with open(log, "ab") as out:
             out.write(f"$ {shlex.join(argv)}\n".encode())
@@ -301,6 +303,40 @@ class LocalStack:
                     f"{check.where} never passed: {said}\n{self.log_tail(container.name)}"
                 )
                 time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class Image:
+    """What the manifest does not say about an image but the container gets from it."""
+
+    entrypoint: list[str]
+    ports: tuple[int, ...] = ()
+    workdir: str | None = None
+
+
+def dockerfile_entrypoint() -> list[str]:
+    text = (REPO / "Dockerfile").read_text()
+    return json.loads(re.findall(r"^ENTRYPOINT (\[.*\])$", text, re.M)[-1])
+
+
+def image_of(reference: str) -> Image:
+    repository = reference.rsplit("/", 1)[-1].split(":", 1)[0]
+    if repository == "conveyor":
+        return Image(dockerfile_entrypoint())
+    # the official redis image runs a command as given, listens on 6379, works in /data
+    assert repository == "redis", f"no local stand-in for the image {reference}"
+    return Image([], (REDIS_DEFAULT_PORT,), "/data")
+
+
+def stream(address: str, prompt: str, max_tokens: int) -> list[generation_pb2.GenerateResponse]:
+    """One greedy completion of `max_tokens` streamed through the router at `address`."""
+    request = generation_pb2.GenerateRequest(
+        text=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return list(stub.Generate(request, timeout=300))
 
 
 def grpc_health(address: str, service: str = "") -> str:

@@ -23,50 +23,26 @@ How the file becomes processes (the mechanics are in tests/deploy/local_stack.py
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
-from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.proto.conveyor.v1 import common_pb2
 from tests.deploy.local_stack import (
-    REDIS_DEFAULT_PORT,
     Check,
     Container,
     LocalStack,
     Network,
+    image_of,
     seed_models_volume,
+    stream,
 )
 from tests.deploy.utils import REPO, clean_env, compose_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
-
-
-@dataclass(frozen=True)
-class Image:
-    """What the manifest does not say about an image but the container gets from it."""
-
-    entrypoint: list[str]
-    ports: tuple[int, ...] = ()
-    workdir: str | None = None
-
-
-def dockerfile_entrypoint() -> list[str]:
-    text = (REPO / "Dockerfile").read_text()
-    return json.loads(re.findall(r"^ENTRYPOINT (\[.*\])$", text, re.M)[-1])
-
-
-def image_of(reference: str) -> Image:
-    repository = reference.rsplit("/", 1)[-1].split(":", 1)[0]
-    if repository == "conveyor":
-        return Image(dockerfile_entrypoint())
-    # the official redis image runs a command as given, listens on 6379, works in /data
-    assert repository == "redis", f"no local stand-in for the image {reference}"
-    return Image([], (REDIS_DEFAULT_PORT,), "/data")
 
 
 def unescape(text: str) -> str:
@@ -196,16 +172,6 @@ def compose_stack(smollm2_dir, tmp_path_factory) -> ComposeStack:
         yield ComposeStack(stack, services, containers)
     finally:
         stack.stop()
-
-
-def stream(address: str, prompt: str, max_tokens: int) -> list[generation_pb2.GenerateResponse]:
-    request = generation_pb2.GenerateRequest(
-        text=prompt,
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-    )
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        return list(stub.Generate(request, timeout=300))
 
 
 def test_compose_services_start_in_the_declared_order(compose_stack):

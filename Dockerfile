@@ -14,9 +14,9 @@
 ARG BASE=cpu
 # Where pip gets torch: a package index URL; empty = PyTorch's index for BASE (CPU or CUDA 12.8).
 ARG TORCH_INDEX_URL=""
-# Or a folder of torch wheels: relative = inside the build context; absolute = a folder the
-# builder mounts (`podman build -v DIR:/wheels:ro --build-arg TORCH_WHEELS=/wheels`). Then torch
-# is installed from it with --no-index.
+# Or a folder holding the torch wheel: relative = inside the build context; absolute = a folder
+# the builder mounts (`podman build -v DIR:/wheels:ro --build-arg TORCH_WHEELS=/wheels`). Torch
+# comes from there, its dependencies (filelock, sympy, ...) from PyPI, or TORCH_INDEX_URL if set.
 ARG TORCH_WHEELS=""
 ARG PYTHON_IMAGE=python:3.11-slim
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -52,9 +52,11 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN --mount=type=bind,target=/context \
     case "${TORCH_WHEELS}" in \
       "") from="--index-url ${TORCH_INDEX_URL:-${DEFAULT_TORCH_INDEX_URL}}" ;; \
-      /*) from="--no-index --find-links ${TORCH_WHEELS}" ;; \
-      *) from="--no-index --find-links /context/${TORCH_WHEELS}" ;; \
+      /*) from="--find-links ${TORCH_WHEELS}" ;; \
+      *) from="--find-links /context/${TORCH_WHEELS}" ;; \
     esac \
+    && if [ -n "${TORCH_WHEELS}" ] && [ -n "${TORCH_INDEX_URL}" ]; then \
+         from="${from} --index-url ${TORCH_INDEX_URL}"; fi \
     && pip install ${from} "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./

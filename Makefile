@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 PROTO_SRC := $(wildcard protos/conveyor/v1/*.proto)
 
-.PHONY: install test lint format proto demo bench model clean
+.PHONY: install test test-compose lint format proto demo bench model clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -17,6 +17,11 @@ model: install
 
 test: install model
 	$(PY) -m pytest -q -ra
+
+# docker-compose.yml for real: builds the image, runs the stack under Podman, streams a request,
+# tears it down (root; about 5 minutes the first time). Not part of `make test`.
+test-compose: install
+	bash scripts/test-compose.sh
 
 LINT_PATHS := services kernels tests
 

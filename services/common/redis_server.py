@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import ConfigError
@@ -40,24 +42,75 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class RedisServer:
-    """A redis-server child process on a free loopback port, without persistence."""
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of a TLS redis-server (clients are not asked for certificates)."""
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None):
+    cert: Path
+    key: Path
+
+
+class RedisServer:
+    """A redis-server child process on a free loopback port, without persistence.
+
+    With `password`, clients must authenticate (`requirepass`, written to a config file only
+    this user can read, never on the command line). With `tls`, the port speaks TLS only and
+    `url` is `rediss://`.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        workdir: Path | None = None,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+    ):
         self.port = port or free_port()
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="conveyor-redis-")
         self.workdir = Path(workdir or self._tmp.name)
+        self.password = password
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL without the password (clients get it separately)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
+
+    def _config_file(self) -> list[str]:
+        """A config file holding `requirepass` (redis-server reads it before the flags)."""
+        if not self.password:
+            return []
+        escaped = self.password.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        path = self.workdir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older file keeps its mode otherwise
+        with os.fdopen(fd, "w") as config:
+            config.write(f'requirepass "{escaped}"\n')
+        return [str(path)]
+
+    def _port_flags(self) -> list[str]:
+        if not self.tls:
+            return ["--port", str(self.port)]
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.tls.cert),
+            "--tls-key-file",
+            str(self.tls.key),
+            "--tls-auth-clients",
+            "no",
+        ]
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         cmd = [
             find_redis_server(),
-            "--port",
-            str(self.port),
+            *self._config_file(),
+            *self._port_flags(),
             "--bind",
             "127.0.0.1",
             "--save",

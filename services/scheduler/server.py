@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 
@@ -113,6 +114,7 @@ async def serve(config: SchedulerConfig) -> int:
     """Runs the scheduler until SIGTERM/SIGINT, then writes the timeline and stops; returns
     the exit code: 1 when the scheduling loop died (a supervisor restarts the process, which
     recovers every request from Redis), else 0."""
+    from services.common.redis_auth import redis_connection_kwargs
     from services.common.redis_server import RedisServer
     from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
@@ -124,7 +126,9 @@ async def serve(config: SchedulerConfig) -> int:
         redis_server = RedisServer().start()
         redis_url = redis_server.url
         logger.warning("no --redis-url: using a private redis-server; state will not survive it")
-    store = RedisStateStore(redis_url, finished_ttl_s=config.finished_ttl_s)
+    store = RedisStateStore(
+        redis_url, finished_ttl_s=config.finished_ttl_s, **redis_connection_kwargs(os.environ)
+    )
     pipeline = Pipeline(config.workers)
     service = SchedulerService(config, pipeline, store)
     close_observers = install_observers(

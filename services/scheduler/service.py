@@ -48,6 +48,10 @@ from services.scheduler.state import StateStore, TokenDelta
 logger = logging.getLogger(__name__)
 
 
+RECOVER_RETRY_S = (1.0, 30.0)
+"""First and longest wait between tries to read the request state from Redis at start."""
+
+
 class SchedulerHooks(Protocol):
     """What the service tells its observer (services/scheduler/observability.py: the event
     trace, spans and metrics)."""
@@ -113,7 +117,7 @@ class SchedulerService:
         """Waits for every stage, recovers requests from Redis, opens the session."""
         self.info = await self.pipeline.wait_ready()
         self.config = config = self.config.resolved(self.info)
-        self.scheduler = await asyncio.to_thread(Scheduler.recover, config, self.store)
+        self.scheduler = await self._recover_state(config)
         now = time.monotonic()
         for request_id in self.scheduler.requests:  # recovered: their routers must Resume
             self._orphaned_at[request_id] = now
@@ -124,6 +128,20 @@ class SchedulerService:
         await self._open_session()
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._reaper = asyncio.create_task(self._reap_orphans(), name="orphan-reaper")
+
+    async def _recover_state(self, config: SchedulerConfig) -> Scheduler:
+        """`Scheduler.recover` from Redis, retried with backoff while Redis refuses (down, or
+        a wrong password): the service stays up and NOT_SERVING and says why once per try,
+        rather than exiting into a restart loop."""
+        delay_s = RECOVER_RETRY_S[0]
+        while True:
+            try:
+                return await asyncio.to_thread(Scheduler.recover, config, self.store)
+            except StateStoreError as exc:
+                self.not_serving_reason = f"cannot read request state from Redis: {exc}"
+                logger.error("cannot read request state: %s Retrying in %.0f s.", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, RECOVER_RETRY_S[1])
 
     async def loop_done(self) -> BaseException | None:
         """Returns when the scheduling loop ended (it never does unless it failed), with the

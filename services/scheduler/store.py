@@ -38,13 +38,15 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import AuthenticationError, NoScriptError, RedisError
 from redis.retry import Retry
 
 from services.common.errors import StateStoreError, StoreLost
+from services.common.redis_auth import PASSWORD_ENV, PASSWORD_FILE_ENV
 from services.common.sampling import SamplingParams
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import RequestUpdate
@@ -95,10 +97,13 @@ class RedisStateStore:
         finished_ttl_s: int = 3600,
         timeout_s: float = 2.0,
         check_interval_s: float = 1.0,
+        password: str | None = None,
     ):
+        """`password` (see services/common/redis_auth.py) is sent unless the URL holds one."""
         if finished_ttl_s < 1:
             raise StateStoreError(f"finished_ttl_s={finished_ttl_s} must be >= 1 second")
-        self.url = url
+        self.url = _redacted(url)
+        """The URL without its password: it goes into logs and error messages."""
         self.finished_ttl_s = finished_ttl_s
         self.round_trips = 0
         self.on_round_trip: Callable[[float], None] | None = None
@@ -109,6 +114,7 @@ class RedisStateStore:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
+            password=password,
         )
         self._script_sha: str | None = None
         self._run_id: str | None = None
@@ -304,11 +310,27 @@ class RedisStateStore:
                 observe(time.perf_counter() - t0)
 
     def _error(self, exc: Exception) -> StateStoreError:
+        if isinstance(exc, AuthenticationError):
+            return StateStoreError(
+                f"Redis at {self.url} refused to authenticate this client ({exc}). Give the "
+                f"password Redis requires (its requirepass) in {PASSWORD_ENV} or in a file "
+                f"named by {PASSWORD_FILE_ENV}."
+            )
         return StateStoreError(
             f"Redis at {self.url} did not answer ({type(exc).__name__}: {exc}); request state "
             "there is unchanged or partly written and the change will be sent again. Check "
             "that Redis is running and reachable (--redis-url)."
         )
+
+
+def _redacted(url: str) -> str:
+    """`url` with the password, if any, replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _encode_meta(request: Request) -> dict[str, bytes | str]:

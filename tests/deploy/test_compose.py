@@ -144,3 +144,25 @@ def test_one_image_for_every_conveyor_service(stack):
     assert images == {"conveyor:latest"}
     for name in CONVEYOR_SERVICES:
         assert stack[name]["build"]["args"]["BASE"] == "cpu"
+
+
+def test_compose_file_runs_on_engines_before_docker_25(stack):
+    """`healthcheck.start_interval` needs Docker 25 (API 1.44): Podman 4's Docker API (1.41)
+    and older Docker refuse the whole file."""
+    lines = [line.split("#", 1)[0] for line in COMPOSE_FILE.read_text().splitlines()]
+    assert not [line for line in lines if "start_interval" in line]
+    for name, svc in stack.items():
+        assert "start_interval" not in svc.get("healthcheck", {}), name
+
+
+def test_dockerfile_torch_source_is_a_build_arg():
+    """`--build-arg TORCH_INDEX_URL=...` / `TORCH_WHEELS=...` reach the torch install: both are
+    ARGs of the build stage, and no ENV of the same name (which would win) is set anywhere."""
+    text = (REPO / "Dockerfile").read_text()
+    build_stage = text.split(" AS build\n", 1)[1].split("\nFROM ", 1)[0]
+    for arg in ("TORCH_INDEX_URL", "TORCH_WHEELS"):
+        assert re.search(rf"^ARG {arg}\b", build_stage, re.M), arg
+        assert not re.search(rf"^ENV(\s.*)?\s{arg}=", text, re.M), f"an ENV sets {arg}"
+        assert not re.search(rf"^\s+{arg}=", text, re.M), f"an ENV continuation sets {arg}"
+    (install,) = [r for r in build_stage.split("\nRUN ") if "pip install ${from} " in r]
+    assert "${TORCH_INDEX_URL:-" in install and "${TORCH_WHEELS}" in install

@@ -58,61 +58,129 @@ def wait_serving(
     raise TimeoutError(f"{address} did not become SERVING within {timeout_s:.0f} s")
 
 
+RESTART_BACKOFF_S = (1.0, 30.0)
+"""First and longest wait before a dead child is started again."""
+RESTART_WINDOW_S = 300.0
+"""--max-restarts counts the restarts of one child within this many seconds."""
+
+
+class StackFailed(Exception):
+    """A child died more often than --max-restarts allows: the stack gives up."""
+
+
+@dataclass
+class Child:
+    """One supervised child process and how to start it again."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None
+    proc: subprocess.Popen
+    restarts: list[float] = field(default_factory=list)
+    """When it was restarted (monotonic s), within the last RESTART_WINDOW_S."""
+    restart_at: float | None = None
+    """When it is due to start again, once it was found dead."""
+
+
 @dataclass
 class Stack:
-    """The child processes of one `conveyor up`, stopped in reverse start order."""
+    """The child processes of one `conveyor up`, stopped in reverse start order.
 
-    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    `supervise()` restarts a child that died (worker, scheduler, router, the private Redis)
+    after a backoff, so the pipeline heals as it would under compose `restart:` or
+    Kubernetes: a dead worker or scheduler is recovered by the scheduler and the routers
+    (requests are recomputed, streams resumed), a dead private Redis comes back empty and is
+    rewritten by the scheduler. More than `max_restarts` restarts of one child within
+    RESTART_WINDOW_S stops the stack.
+    """
+
+    children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
+    redis_restarts: list[float] = field(default_factory=list)
+    redis_restart_at: float | None = None
     scheduler_address: str | None = None
     """Where `conveyor stats` and `conveyor bench --scheduler` reach the scheduler."""
     stopping: bool = False
     """Set by the launcher's signal handler; start-up gives up at its next wait."""
+    max_restarts: int = 5
 
     def spawn(
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "services.cli", *argv]
         logger.info("starting %s: %s", name, " ".join(argv))
-        proc = subprocess.Popen(cmd, env=child_env(env))
-        self.procs.append((name, proc))
-        return proc
+        child = Child(name, argv, env, _popen(argv, env))
+        self.children.append(child)
+        return child.proc
+
+    def supervise(self) -> None:
+        """Starts again, after a backoff, every child found dead; raises StackFailed when one
+        died more than `max_restarts` times within RESTART_WINDOW_S."""
+        now = time.monotonic()
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.restart_at is None:
+                child.restart_at = self._restart_time(child.name, code, child.restarts, now)
+            elif now >= child.restart_at:
+                logger.warning("restarting %s", child.name)
+                child.proc = _popen(child.argv, child.env)
+                child.restarts.append(now)
+                child.restart_at = None
+        if self.redis is not None and self.redis.proc.poll() is not None:
+            if self.redis_restart_at is None:
+                code = self.redis.proc.returncode
+                self.redis_restart_at = self._restart_time("redis", code, self.redis_restarts, now)
+            elif now >= self.redis_restart_at:
+                logger.warning("restarting the private redis-server (it comes back empty)")
+                self.redis.start()
+                self.redis_restarts.append(now)
+                self.redis_restart_at = None
+
+    def _restart_time(self, name: str, code: int, restarts: list[float], now: float) -> float:
+        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
+        if len(restarts) >= self.max_restarts:
+            raise StackFailed(
+                f"{name} exited with code {code} after {len(restarts)} restarts within "
+                f"{RESTART_WINDOW_S:.0f} s (--max-restarts {self.max_restarts}): giving up"
+            )
+        delay = min(RESTART_BACKOFF_S[0] * 2 ** len(restarts), RESTART_BACKOFF_S[1])
+        logger.error("%s exited with code %s; restarting it in %.0f s", name, code, delay)
+        return now + delay
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM in reverse start order: the router, then the scheduler (waited for: it
         reads the workers' timelines as it stops), then every worker at once."""
         deadline = time.monotonic() + grace_s
-        procs = list(reversed(self.procs))
-        workers = [p for p in procs if p[0].startswith("worker")]
-        waves = [[p] for p in procs if p not in workers] + [workers]
+        children = list(reversed(self.children))
+        workers = [c for c in children if c.name.startswith("worker")]
+        waves = [[c] for c in children if c not in workers] + [workers]
         for wave in waves:
-            for _, proc in wave:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for name, proc in wave:
+            for child in wave:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in wave:
                 try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
-                    proc.kill()
-                    proc.wait()
-        self.procs.clear()
+                    logger.warning("%s did not stop within %.0f s; killing it", child.name, grace_s)
+                    child.proc.kill()
+                    child.proc.wait()
+        self.children.clear()
         if self.redis:
             self.redis.stop()
             self.redis = None
 
-    def first_exited(self) -> tuple[str, int] | None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                return name, proc.returncode
-        return None
+
+def _popen(argv: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=child_env(env))
 
 
 def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[Stack, str]:
     """Starts every service; returns the stack and the address clients should use.
 
     Raises StackStopped (with every child stopped) when `stack.stopping` is set meanwhile."""
-    stack = stack or Stack()
+    stack = stack or Stack(max_restarts=args.max_restarts)
     should_stop = lambda: stack.stopping  # noqa: E731
     try:
         redis_url = args.redis_url
@@ -292,6 +360,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for every service to be SERVING (default: 300)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one dead child (worker, scheduler, router, private Redis) allowed "
+        f"within {RESTART_WINDOW_S:.0f} s before the stack stops; 0 stops it at the first "
+        "death (default: 5)",
+    )
+    parser.add_argument(
         "--scheduler-arg",
         dest="scheduler_args",
         action="append",
@@ -308,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = Stack()
+    stack = Stack(max_restarts=args.max_restarts)
 
     def _on_signal(signum, _frame):
         stack.stopping = True
@@ -329,11 +405,11 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         while not stack.stopping:
-            exited = stack.first_exited()
-            if exited:
-                logger.error("%s exited with code %s; stopping the stack", *exited)
-                return 1
+            stack.supervise()
             time.sleep(0.5)
+    except StackFailed as exc:
+        logger.error("%s; stopping the stack", exc)
+        return 1
     finally:
         stack.stop()
     return 0

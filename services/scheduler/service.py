@@ -29,7 +29,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.errors import PipelineUnavailable, StateStoreError, UnknownRequest
+from services.common.errors import (
+    PipelineUnavailable,
+    StateStoreError,
+    StoreLost,
+    UnknownRequest,
+)
 from services.common.pb import plan_to_pb, result_from_report
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan
@@ -94,6 +99,7 @@ class SchedulerService:
         self._orphaned_at: dict[str, float] = {}
         """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._reaper: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._subscribers: dict[str, list[asyncio.Queue]] = {}
         self._wake = asyncio.Event()
         self._inflight = 0
@@ -128,6 +134,7 @@ class SchedulerService:
         await self._open_session()
         self._task = asyncio.create_task(self._run(), name="scheduler-loop")
         self._reaper = asyncio.create_task(self._reap_orphans(), name="orphan-reaper")
+        self._watcher = asyncio.create_task(self._watch_store(), name="store-watcher")
 
     async def _recover_state(self, config: SchedulerConfig) -> Scheduler:
         """`Scheduler.recover` from Redis, retried with backoff while Redis refuses (down, or
@@ -152,7 +159,7 @@ class SchedulerService:
         return None if self._task.cancelled() else self._task.exception()
 
     async def stop(self) -> None:
-        for task in (self._task, self._reaper):
+        for task in (self._task, self._reaper, self._watcher):
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -386,6 +393,27 @@ class SchedulerService:
             logger.info("Redis writes succeed again")
             self._store_failing_since = self._store_error = None
             self._update_health()
+
+    async def _watch_store(self) -> None:
+        """Checks the store every second, busy or idle: a Redis that restarted (empty, or from
+        an older snapshot) is rewritten from memory at once, and one that does not answer
+        turns health NOT_SERVING past the grace period even when no step needs it."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await asyncio.to_thread(self.store.check)
+                if self._store_failing_since is not None:
+                    self._flush_buffered()
+            except StoreLost as exc:
+                try:
+                    self.scheduler.outputs.rewrite(exc)
+                except StateStoreError as again:
+                    self._store_failed(again)
+                    continue
+            except StateStoreError as exc:
+                self._store_failed(exc)
+                continue
+            self._store_ok()
 
     async def _reap_orphans(self) -> None:
         """Aborts requests nobody has listened to for `orphan_timeout_s`."""

@@ -50,6 +50,10 @@ class StateStore(Protocol):
         """Persist one step's state changes and appended tokens in one round trip.
         Idempotent: applying the same updates twice appends nothing twice."""
 
+    def check(self) -> None:
+        """Raises `StateStoreError` when the store does not answer, `StoreLost` when it lost
+        what was written to it (checked every second even while nothing else is written)."""
+
     def rewrite(self, requests: list[Request]) -> None:
         """Write these requests whole after the store lost state (`StoreLost`), and close the
         unfinished requests it lists that are not among them."""

@@ -158,6 +158,11 @@ class RedisStateStore:
         if errors:
             raise StateStoreError(f"Redis at {self.url} refused a state write: {errors[0]}")
 
+    def check(self) -> None:
+        """Raises StateStoreError when Redis does not answer, StoreLost when it is not the
+        instance our state was written to (it restarted): one round trip."""
+        self._check_run_id(self._execute_one(lambda c: c.info("server")))
+
     def rewrite(self, requests: list[Request]) -> None:
         """Writes these requests whole (state, prompt, params, every output token), after
         Redis lost state; unfinished requests the index lists but `requests` lacks are closed

@@ -83,10 +83,7 @@ class StepOutputs:
             try:
                 self.store.apply(list(self._updates.values()))
             except StoreLost as exc:
-                logger.warning("%s; writing every live request again", exc)
-                requests = {r.request_id: r for r in self.live_requests()}
-                requests.update(self._updated)
-                self.store.rewrite(list(requests.values()))
+                self.rewrite(exc)
             self._updates.clear()
             self._updated.clear()
         deltas = list(self._deltas.values())
@@ -95,6 +92,16 @@ class StepOutputs:
             if not any(delta.logprobs):
                 delta.logprobs = None
         return deltas
+
+    def rewrite(self, cause: StoreLost) -> None:
+        """Writes every live request, and every one with a buffered change, whole again
+        (the store lost state); the buffered changes are then in the store."""
+        logger.warning("%s; writing every live request again", cause)
+        requests = {r.request_id: r for r in self.live_requests()}
+        requests.update(self._updated)
+        self.store.rewrite(list(requests.values()))
+        self._updates.clear()
+        self._updated.clear()
 
     def pending_updates(self) -> list[RequestUpdate]:
         return list(self._updates.values())

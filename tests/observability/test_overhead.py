@@ -112,6 +112,9 @@ class FakeStore:
     def apply(self, updates) -> None:
         pass
 
+    def check(self) -> None:
+        pass
+
     def load_unfinished(self) -> list:
         return []
 

@@ -1,0 +1,191 @@
+"""Faults under load: 32 streams through the router of a `conveyor up` stack (tiny model, 2
+stages, async) while a worker, the scheduler, the router or Redis dies or stalls.
+
+Every accepted request either completes exactly once with the tokens of an undisturbed run
+(no gap, no duplicate), or ends with a clear status; health tells the truth; afterwards
+every KV block is free and no Redis key outlives its TTL. One stack serves every test (in
+file order); `conveyor up` restarts what was killed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.common.proto.conveyor.v1 import common_pb2
+from services.models.tiny import make_tiny_model
+from tests.faults.utils import SERVING, RedisProcess, UpStack, redis_leftovers, wait_until
+
+pytestmark = pytest.mark.slow
+
+NUM_STREAMS = 32
+MAX_TOKENS = 48
+STOP = common_pb2.FINISH_REASON_LENGTH
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Distinct prompts of mixed lengths (ids of the tiny model's vocabulary)."""
+    return [
+        [(seed * 131 + i * 17 + j * 7) % 300 + 1 for j in range(5 + (i * 7) % 40)]
+        for i in range(NUM_STREAMS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def redis_proc(tmp_path_factory):
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start(fresh=True)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_proc):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    stack = UpStack(model, redis_proc, log, "--store-grace=1")
+    try:
+        stack.wait_serving()
+        yield stack
+    except BaseException:
+        print(log.read_text()[-8000:])
+        raise
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """prompt seed -> the undisturbed outputs of its prompts (computed once per seed)."""
+    cache: dict[int, list[list[int]]] = {}
+
+    def get(seed: int) -> list[list[int]]:
+        if seed not in cache:
+            outcomes = stack.run_streams(_prompts(seed), MAX_TOKENS)
+            assert all(o.error is None and o.finish_reason == STOP for o in outcomes)
+            cache[seed] = [o.token_ids for o in outcomes]
+        return cache[seed]
+
+    return get
+
+
+def _check_after(stack: UpStack, redis_proc: RedisProcess) -> None:
+    stack.wait_serving()
+    stats = stack.wait_idle()
+    assert stats.serving and stats.num_free_blocks == stats.num_blocks
+    # Within a store check (1 s) the scheduler has closed what a stale Redis still listed.
+    try:
+        wait_until(lambda: not redis_leftovers(redis_proc.client()), 15)
+    except AssertionError:
+        assert redis_leftovers(redis_proc.client()) == []
+
+
+def _assert_exact(outcomes, expected) -> None:
+    for i, (outcome, tokens) in enumerate(zip(outcomes, expected, strict=True)):
+        assert outcome.error is None, f"stream {i} ended with {outcome.error}"
+        assert outcome.offsets_ok, f"stream {i} received a gap or a duplicate"
+        assert outcome.token_ids == tokens, f"stream {i} differs from the undisturbed run"
+        assert outcome.finish_reason == STOP
+
+
+@pytest.mark.parametrize("kind", ["worker 1", "worker 0", "scheduler"])
+def test_a_killed_worker_or_scheduler_loses_nothing(stack, redis_proc, reference, kind):
+    seed = {"worker 1": 1, "worker 0": 2, "scheduler": 3}[kind]
+    expected = reference(seed)
+    killed = []
+    outcomes = stack.run_streams(
+        _prompts(seed),
+        MAX_TOKENS,
+        fault=lambda: killed.append(stack.kill(kind)),
+        after_tokens=NUM_STREAMS * MAX_TOKENS // 4,
+    )
+    assert killed
+    _assert_exact(outcomes, expected)
+    _check_after(stack, redis_proc)
+    assert stack.child_pid(kind) != killed[0], "conveyor up did not restart it"
+
+
+def test_a_killed_router_ends_its_streams_clearly_and_its_requests_are_aborted(
+    stack, redis_proc, reference
+):
+    long = 1900  # far more than can be generated before the scheduler gives up on them
+    outcomes = stack.run_streams(
+        _prompts(4), long, fault=lambda: stack.kill("router"), after_tokens=NUM_STREAMS * 4
+    )
+    assert all(o.error is grpc.StatusCode.UNAVAILABLE and o.offsets_ok for o in outcomes)
+    # The scheduler aborts what nobody listens to any more (--orphan-timeout): KV all free.
+    _check_after(stack, redis_proc)
+    client = redis_proc.client()
+    states = {client.hget(f"{{req:{o.request_id}}}:meta", "state") for o in outcomes}
+    assert states == {b"finished_aborted"}, "requests of a dead router ran on"
+    _assert_exact(stack.run_streams(_prompts(4), MAX_TOKENS), reference(4))  # a new router
+
+
+def test_redis_killed_and_restarted_empty_is_rewritten_from_memory(stack, redis_proc, reference):
+    expected = reference(5)
+    seen_keys = []
+
+    def restart_empty() -> None:
+        redis_proc.kill()
+        redis_proc.start(fresh=True)
+        # The scheduler notices the new Redis and writes every live request again.
+        wait_until(lambda: redis_proc.client().zcard("conveyor:unfinished") > 0, 30)
+        seen_keys.append(redis_proc.client().zcard("conveyor:unfinished"))
+
+    outcomes = stack.run_streams(
+        _prompts(5), MAX_TOKENS, fault=restart_empty, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
+    )
+    assert seen_keys and seen_keys[0] > 0
+    _assert_exact(outcomes, expected)
+    _check_after(stack, redis_proc)
+
+
+def test_redis_restarted_from_a_stale_snapshot_neither_wedges_nor_repeats(
+    stack, redis_proc, reference
+):
+    expected = reference(6)
+
+    def restart_stale() -> None:
+        redis_proc.save()  # the snapshot the restart loads: some tokens behind
+        time.sleep(1.0)
+        redis_proc.kill()
+        redis_proc.start()
+
+    outcomes = stack.run_streams(
+        _prompts(6), MAX_TOKENS, fault=restart_stale, after_tokens=NUM_STREAMS * MAX_TOKENS // 8
+    )
+    _assert_exact(outcomes, expected)
+    _check_after(stack, redis_proc)
+
+
+def test_redis_paused_streams_complete_and_health_says_not_serving(stack, redis_proc, reference):
+    expected = reference(7)
+    statuses: list[int | None] = []
+    pausing = threading.Event()
+
+    def watch() -> None:
+        while pausing.is_set():
+            statuses.append(stack.health(stack.scheduler, timeout_s=3.0))
+            time.sleep(0.1)
+
+    def pause() -> None:
+        pausing.set()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        redis_proc.pause()
+        time.sleep(5.0)
+        redis_proc.cont()
+        stack.wait_serving()
+        pausing.clear()
+        watcher.join()
+
+    outcomes = stack.run_streams(
+        _prompts(7), MAX_TOKENS, fault=pause, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
+    )
+    _assert_exact(outcomes, expected)
+    assert any(s is not None and s != SERVING for s in statuses), (
+        f"health never said NOT_SERVING while Redis was paused past --store-grace: {statuses}"
+    )
+    _check_after(stack, redis_proc)

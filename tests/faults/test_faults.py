@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from services.common.proto.conveyor.v1 import common_pb2
-from services.models.tiny import make_tiny_model
 from tests.faults.utils import SERVING, RedisProcess, UpStack, redis_leftovers, wait_until
 
 pytestmark = pytest.mark.slow
@@ -32,28 +31,6 @@ def _prompts(seed: int) -> list[list[int]]:
         [(seed * 131 + i * 17 + j * 7) % 300 + 1 for j in range(5 + (i * 7) % 40)]
         for i in range(NUM_STREAMS)
     ]
-
-
-@pytest.fixture(scope="module")
-def redis_proc(tmp_path_factory):
-    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start(fresh=True)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_proc):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    stack = UpStack(model, redis_proc, log, "--store-grace=1")
-    try:
-        stack.wait_serving()
-        yield stack
-    except BaseException:
-        print(log.read_text()[-8000:])
-        raise
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,7 @@ class SchedulerSnapshot:
     num_cached_blocks: int
     num_queried_tokens: int
     num_hit_tokens: int
+    num_poisoned: int = 0
 
 
 class SchedulerCollector(Collector):
@@ -235,6 +236,11 @@ class SchedulerCollector(Collector):
             snap.num_hit_tokens,
         )
         yield _counter("conveyor:scheduler_steps", "Steps planned.", snap.num_steps)
+        yield _counter(
+            "conveyor:poison_requests",
+            "Requests failed because a pipeline stage failed on them alone.",
+            snap.num_poisoned,
+        )
 
 
 class WorkerMetrics:

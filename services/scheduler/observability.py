@@ -226,6 +226,7 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
         num_cached_blocks=stats.num_cached_blocks,
         num_queried_tokens=bm.num_queried_tokens,
         num_hit_tokens=bm.num_hit_tokens,
+        num_poisoned=core.num_poisoned,
     )
 
 

@@ -36,10 +36,17 @@ class StageFailure:
     """A stage failed or its stream ended: the session is over."""
 
     message: str
+    step_id: int | None = None
+    """The step a stage failed on (None: the stage is gone)."""
 
 
 class PipelineBroken(Exception):
     """A stage failed or disappeared; the message says which and why."""
+
+    def __init__(self, message: str, request_ids: list[str] | None = None):
+        super().__init__(message)
+        self.request_ids = request_ids or []
+        """The requests of the step a stage failed on (none when a stage is gone)."""
 
 
 class Pipeline:
@@ -152,7 +159,7 @@ class Pipeline:
         try:
             async for report in call:
                 if report.error:
-                    self.reports.put_nowait(StageFailure(report.error))
+                    self.reports.put_nowait(StageFailure(report.error, report.step_id))
                 elif is_last:
                     self.reports.put_nowait(StageReport(stage, report))
             self.reports.put_nowait(

@@ -18,6 +18,12 @@ Pipeline rules (DESIGN.md "Asynchronous scheduling"), with P = num_stages:
 * async: it is planned without waiting (at most one result outstanding), with a KV slot for
   the token stage 0 receives straight from the last stage. A request found finished late
   has its extra token discarded.
+
+Poison requests: when a stage fails on a step, the step's requests become suspects
+(`step_failed`). After the pipeline is whole again, each suspect runs alone first; one
+that passes a step alone is cleared, one a stage fails on alone is FAILED with the
+stage's message. So a request that breaks a stage is failed after one retry, and everyone
+else is served.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
 from services.scheduler.updates import StepOutputs
 
 logger = logging.getLogger(__name__)
+
+
+_WAITING = (RequestStatus.WAITING.value, RequestStatus.PREEMPTED.value)
 
 
 @dataclass(slots=True)
@@ -73,6 +82,13 @@ class Scheduler:
         self._next_step_id = 0
         self._finished_ids: list[str] = []
         self._charge = self.policy.charge if config.policy is SchedulerPolicy.FAIR else None
+        self.suspects: dict[str, str] = {}
+        """Requests that were in a step a stage failed on (in order), with the stage's
+        message: the first runs alone until it passes a step or fails."""
+        self._isolated_since: int | None = None
+        """The step the first suspect first ran alone in."""
+        self.num_poisoned = 0
+        """Requests failed because a stage failed on them alone."""
 
     @classmethod
     def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:
@@ -133,6 +149,26 @@ class Scheduler:
             raise UnknownRequest(f"request {request_id} is not running or waiting here")
         self._finish(request, RequestStatus.FAILED, reason)
 
+    def step_failed(self, request_ids: list[str], reason: str) -> list[Request]:
+        """A stage failed on a step holding `request_ids` (call before `requeue_running`).
+        Returns the requests failed now: the suspect running alone, if the step was its."""
+        isolated = self.isolated_id
+        if isolated is not None and self._isolated_since is not None and request_ids == [isolated]:
+            request = self.requests[isolated]
+            self.fail_request(isolated, f"a pipeline stage failed on this request: {reason}")
+            self.num_poisoned += 1
+            return [request]
+        for request_id in request_ids:
+            if request_id in self.requests:
+                self.suspects.setdefault(request_id, reason)
+        self._isolated_since = None
+        return []
+
+    @property
+    def isolated_id(self) -> str | None:
+        """The suspect that runs alone now, or None."""
+        return next(iter(self.suspects), None)
+
     @property
     def num_waiting(self) -> int:
         return len(self.policy)
@@ -160,13 +196,15 @@ class Scheduler:
         scheduled: set[str] = set()
         partial: list[Request] = []
         num_preempted = self.num_preemptions
+        only = self.isolated_id
 
         # decode
         for request in list(self.running.values()):
             if budget.num_seqs == 0:
                 break
             if (
-                request.next_step_id > step_id
+                (only is not None and request.request_id != only)
+                or request.next_step_id > step_id
                 or len(request.pending_step_ids) > max_pending
                 or request.status is not RequestStatus.RUNNING
             ):
@@ -188,14 +226,18 @@ class Scheduler:
         for request in partial:
             if budget.num_tokens == 0 or budget.num_seqs == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted to make room for an earlier one
+            if request.status is not RequestStatus.RUNNING or (
+                only is not None and request.request_id != only
+            ):
+                continue  # preempted to make room for an earlier one, or not the suspect
             num_known = request.num_tokens + (len(request.pending_step_ids) if is_async else 0)
             num_new = self._chunk(num_known - request.num_computed_tokens, budget.num_tokens)
             if num_new:
                 self._schedule_cached(plan, request, num_new, num_known, budget, scheduled)
         if self.num_preemptions == num_preempted:
-            self._schedule_waiting(plan, budget)
+            self._schedule_waiting(plan, budget, only)
+        if only is not None and self._isolated_since is None and plan.num_requests:
+            self._isolated_since = step_id
         return plan
 
     def _chunk(self, num_remaining: int, num_budget: int) -> int:
@@ -228,11 +270,13 @@ class Scheduler:
         )
         self._after_scheduled(plan.step_id, request, num_new, num_known, budget, scheduled)
 
-    def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: _Budget, only: str | None) -> None:
+        """Admits requests from the head of the queue; with `only` (a suspect running
+        alone), that one if it waits and the plan is empty, and no other."""
         bm = self.block_manager
         step_id = plan.step_id
         while budget.num_tokens > 0 and budget.num_seqs > 0:
-            request = self.policy.peek()
+            request = self.policy.peek() if only is None else self._waiting_suspect(only, plan)
             if request is None or request.next_step_id > step_id:
                 break  # a preempted request waits out its in-flight step, like any other
             prefix = bm.find_cached_prefix(request.token_ids, request.extra_key)
@@ -242,7 +286,10 @@ class Scheduler:
                 request.request_id, num_cached + num_new, prefix
             ):
                 break
-            self.policy.pop()
+            if only is None:
+                self.policy.pop()
+            else:
+                self.policy.remove(request)
             block_ids = bm.allocate(
                 request.request_id, num_cached + num_new, prefix, request.extra_key
             )
@@ -263,6 +310,12 @@ class Scheduler:
             )
             self.running[request.request_id] = request
             self._after_scheduled(plan.step_id, request, num_new, request.num_tokens, budget, set())
+
+    def _waiting_suspect(self, request_id: str, plan: StepPlan) -> Request | None:
+        request = self.requests.get(request_id)
+        if plan.num_requests or request is None or request.status.value not in _WAITING:
+            return None
+        return request
 
     def _after_scheduled(
         self,
@@ -346,6 +399,8 @@ class Scheduler:
             request.num_tokens_on_workers = None
 
     def _finish(self, request: Request, status: RequestStatus, reason: str | None = None) -> None:
+        if self.suspects.pop(request.request_id, None) is not None:
+            self._isolated_since = None
         if request.status is RequestStatus.WAITING or request.status is RequestStatus.PREEMPTED:
             self.policy.remove(request)
         request.transition(status, reason)
@@ -366,6 +421,9 @@ class Scheduler:
         """
         self.check_result(result)
         step_id = result.step_id
+        if self._isolated_since is not None and step_id >= self._isolated_since:
+            self.suspects.pop(self.isolated_id, None)  # it passed a step alone: cleared
+            self._isolated_since = None
         logprobs = result.logprobs or [None] * len(result.request_ids)
         triples = zip(result.request_ids, result.token_ids, logprobs, strict=True)
         for request_id, token_id, lp in triples:

@@ -28,6 +28,8 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
         token_ids=delta.token_ids,
         finish_reason=FINISH_TO_PB[delta.finish_reason],
     )
+    if delta.error:
+        msg.error = delta.error
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)
     return msg

@@ -97,6 +97,8 @@ class SchedulerService:
         self._store_failing_since: float | None = None
         self._store_error: str | None = None
         self._orphaned_at: dict[str, float] = {}
+        self._step_requests: dict[int, list[str]] = {}
+        """The requests of every step in flight (a stage failure names its step)."""
         """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._reaper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -292,7 +294,9 @@ class SchedulerService:
                 await self._dispatch()
                 await self._wait_and_process()
                 self._store_ok()
-            except (PipelineBroken, PipelineUnavailable) as exc:
+            except PipelineBroken as exc:
+                await self._recover_pipeline(str(exc), exc.request_ids)
+            except PipelineUnavailable as exc:
                 await self._recover_pipeline(str(exc))
             except StateStoreError as exc:
                 self._store_failed(exc)
@@ -313,6 +317,9 @@ class SchedulerService:
                 break
             self.counters.num_steps += 1
             self._inflight += 1
+            self._step_requests[plan.step_id] = [
+                r.request_id for r in (*plan.new_requests, *plan.cached_requests)
+            ]
             msg = plan_to_pb(plan, is_async)
             if observer is not None:
                 msg.trace_parent = observer.on_plan(plan)
@@ -345,8 +352,9 @@ class SchedulerService:
 
     def _process(self, item: StageReport | StageFailure) -> None:
         if isinstance(item, StageFailure):
-            raise PipelineBroken(item.message)
+            raise PipelineBroken(item.message, self._step_requests.get(item.step_id))
         report = item.report
+        self._step_requests.pop(report.step_id, None)
         self._inflight -= 1
         self.counters.num_reports += 1
         if self.observer is not None:
@@ -362,6 +370,15 @@ class SchedulerService:
         """While the store fails: send what is buffered again (even with no step left to
         process, the last tokens of finished requests must reach their clients)."""
         self._publish(self.scheduler.outputs.flush())
+
+    def _publish_failure(self, request: Request, reason: str) -> None:
+        """Ends a failed request's streams with finish reason `error` and the reason."""
+        try:
+            self._publish(self.scheduler.outputs.flush())  # persists the failure now
+        except StateStoreError as exc:  # kept buffered; written with the next step
+            logger.warning("failure of %s not persisted yet: %s", request.request_id, exc)
+        delta = TokenDelta(request.request_id, [], request.num_output_tokens, "error", error=reason)
+        self._publish([delta])
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -428,10 +445,16 @@ class SchedulerService:
                     logger.info("aborting %s: nobody listened for %.0f s", request_id, timeout)
                     self.abort(request_id)  # False, harmless, if it finished meanwhile
 
-    async def _recover_pipeline(self, reason: str) -> None:
+    async def _recover_pipeline(self, reason: str, failed_step: list[str] | None = None) -> None:
+        """Re-forms the pipeline. `failed_step`: the requests of the step a stage failed on;
+        they run alone next, and one a stage fails on alone is failed (a poison request)."""
         logger.error("pipeline broken: %s; re-queuing running requests", reason)
         self._is_pipeline_whole = False
         self._update_health(f"pipeline not whole: {reason}")
+        self._step_requests.clear()
+        for request in self.scheduler.step_failed(failed_step or [], reason):
+            logger.error("failed %s: a stage failed on it alone: %s", request.request_id, reason)
+            self._publish_failure(request, reason)
         await self.pipeline.close()
         self.scheduler.requeue_running()
         while True:

@@ -23,6 +23,8 @@ class TokenDelta:
     finish_reason: str | None = None
     """`stop`, `length`, `abort` or `error` when this delta ends the request."""
     logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+    """Why the request failed (finish reason `error`)."""
 
 
 @dataclass(slots=True)

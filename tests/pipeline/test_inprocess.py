@@ -249,3 +249,53 @@ def test_pipeline_abort_mid_stream_frees_blocks_and_spares_the_others(
         assert outcome.finish_reason == "length"
     assert all("r0" not in runner.requests for runner in stack.runners)
     assert_whole(stack)
+
+
+@pytest.mark.parametrize("num_stages,failing_stage", [(1, 0), (2, 1), (2, 0)])
+def test_a_request_that_breaks_a_stage_is_failed_alone_and_the_rest_is_served(
+    model, redis_url, monkeypatch, num_stages, failing_stage
+):
+    """A stage raises whenever the poison request is in its step: after the first failure
+    every request of that step is a suspect and runs alone; the poison one fails alone and
+    is failed with the stage's message, everyone else gets exactly HF's tokens."""
+    model_dir, prompts, ref_tokens, ref_logits = model
+
+    async def main():
+        async with InProcessStack(model_dir, num_stages, "async", redis_url) as stack:
+            runner = stack.runners[failing_stage]
+            execute = runner.execute
+
+            def poisoned(plan, **kwargs):
+                ids = {r.request_id for r in (*plan.new_requests, *plan.cached_requests)}
+                if "poison" in ids:
+                    raise RuntimeError("index 60000 is out of range (a poison request)")
+                return execute(plan, **kwargs)
+
+            monkeypatch.setattr(runner, "execute", poisoned)
+            ids = ["a", "poison", "b"]
+            queues = [stack.submit(p, greedy(), i)[1] for p, i in zip(prompts, ids, strict=False)]
+            outcomes = [Outcome() for _ in queues]
+            for queue, outcome in zip(queues, outcomes, strict=True):
+                while outcome.finish_reason is None:
+                    delta = await asyncio.wait_for(queue.get(), 60)
+                    assert delta.offset == len(outcome.token_ids)
+                    outcome.token_ids += delta.token_ids
+                    outcome.finish_reason = delta.finish_reason
+                    outcome.logprobs.append(delta.error)
+            assert outcomes[1].finish_reason == "error" and not outcomes[1].token_ids
+            assert "a poison request" in outcomes[1].logprobs[-1]
+            for i in (0, 2):
+                assert outcomes[i].finish_reason == "length"
+                assert compare_greedy(
+                    outcomes[i].token_ids, ref_tokens[i], ref_logits[i], TIE_MARGIN
+                )
+            # one failure with everyone, one with the poison request alone; nothing else (a
+            # broken session answers its later plans with its first error again)
+            assert len(set(stack.pipeline.errors)) == 2 and stack.pipeline.num_sessions == 3
+            assert stack.service.scheduler.num_poisoned == 1
+            status = stack.store.read_state("poison")
+            assert status is RequestStatus.FAILED
+            await asyncio.sleep(0)  # the flush of the last step
+            assert stack.num_free_blocks == stack.num_blocks
+
+    asyncio.run(main())

@@ -197,7 +197,9 @@ class LocalPipeline:
                 return  # a closed session: its Run stream is gone, nobody reads this
             if outcome.error:
                 self.errors.append(outcome.error)
-                loop.call_soon_threadsafe(reports.put_nowait, StageFailure(outcome.error))
+                loop.call_soon_threadsafe(
+                    reports.put_nowait, StageFailure(outcome.error, outcome.step_id)
+                )
                 loop.call_soon_threadsafe(self.failed.set)
             elif is_last:
                 report = outcome_to_pb(outcome, stage)

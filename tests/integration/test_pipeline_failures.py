@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import grpc
@@ -78,17 +79,22 @@ def test_scheduler_killed_resume_delivers_the_rest_without_duplicates(stack, ref
         with pytest.raises(grpc.RpcError):
             list(stream)
     stack.start_scheduler()
-    outcomes = []
-    for request_id, tokens in received.items():
-        offset = len(tokens)
-        finish = None
+
+    def resume(request_id: str) -> Outcome:
+        """As a router does for each of its broken streams, all at once (a recovered request
+        nobody resumes within --orphan-timeout is aborted)."""
+        tokens, finish = received[request_id], None
         for delta in stack.stub.Resume(
-            scheduler_pb2.ResumeRequest(request_id=request_id, from_offset=offset), timeout=300
+            scheduler_pb2.ResumeRequest(request_id=request_id, from_offset=len(tokens)),
+            timeout=300,
         ):
             assert delta.offset == len(tokens), "Resume skipped or repeated tokens"
             tokens.extend(delta.token_ids)
             finish = delta.finish_reason
-        assert finish == common_pb2.FINISH_REASON_LENGTH
-        outcomes.append(Outcome(tokens, finish))
+        return Outcome(tokens, finish)
+
+    with concurrent.futures.ThreadPoolExecutor(len(received)) as pool:
+        outcomes = list(pool.map(resume, received))
+    assert all(o.finish_reason == common_pb2.FINISH_REASON_LENGTH for o in outcomes)
     _assert_reference(outcomes, reference)
     wait_until(lambda: stack.stats().kv_usage == 0.0, 10)

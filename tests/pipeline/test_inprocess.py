@@ -299,3 +299,22 @@ def test_a_request_that_breaks_a_stage_is_failed_alone_and_the_rest_is_served(
             assert stack.num_free_blocks == stack.num_blocks
 
     asyncio.run(main())
+
+
+def test_an_unexpected_error_ends_the_loop_visibly(model, redis_url, monkeypatch):
+    """A bug in planning must not leave a SERVING scheduler whose loop is dead: loop_done()
+    returns the exception (serve() then exits 1 for the supervisor to restart it)."""
+    model_dir, prompts, _, _ = model
+
+    async def main():
+        async with InProcessStack(model_dir, 1, "async", redis_url) as stack:
+
+            def broken():
+                raise RuntimeError("a bug in schedule()")
+
+            monkeypatch.setattr(stack.service.scheduler, "schedule", broken)
+            stack.submit(prompts[0], greedy())
+            error = await asyncio.wait_for(stack.service.loop_done(), 30)
+            assert isinstance(error, RuntimeError) and "a bug" in str(error)
+
+    asyncio.run(main())

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from services.common.errors import StateStoreError, StoreLost
+from services.common.errors import RequestExists, StateStoreError, StoreLost
 from services.common.step import StepResult
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
@@ -186,3 +186,61 @@ def test_store_outage_mid_run_loses_and_duplicates_nothing(own_redis):
     assert trace.outputs == expected
     for request_id, tokens in expected.items():
         assert store.read_tokens(request_id) == tokens
+
+
+def _running(scheduler: Scheduler, request_id: str, num_tokens: int) -> None:
+    """Admits `request_id` and gives it `num_tokens` output tokens."""
+    scheduler.add_request(make_request(request_id, 4, 32, ignore_eos=True))
+    for token in range(num_tokens):
+        plan = scheduler.schedule()
+        scheduler.process_result(StepResult(plan.step_id, [request_id], [10 + token]))
+
+
+def test_store_emptied_under_a_live_scheduler_is_rewritten_from_memory(store, redis_url):
+    scheduler = Scheduler(make_config(), store)
+    _running(scheduler, "a", 3)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()  # Redis came back empty
+    plan = scheduler.schedule()
+    scheduler.process_result(StepResult(plan.step_id, ["a"], [13]))  # notices, rewrites
+    assert store.read_tokens("a") == [10, 11, 12, 13]
+    assert store.read_state("a") is RequestStatus.RUNNING
+    assert [r.request_id for r in Scheduler.recover(make_config(), store).requests.values()] == [
+        "a"
+    ]
+
+
+def test_store_stale_snapshot_is_rewritten_and_what_finished_meanwhile_is_closed(store, redis_url):
+    scheduler = Scheduler(make_config(), store)
+    _running(scheduler, "live", 2)
+    _running(scheduler, "done", 1)
+    client = redis.Redis.from_url(redis_url)
+    snapshot = {k: client.dump(k) for k in client.scan_iter()}
+    assert client.zcard("conveyor:unfinished") == 2
+    scheduler.abort_request("done")  # finishes after the snapshot
+    scheduler.outputs.flush()
+    client.flushdb()
+    for key, value in snapshot.items():  # Redis restarted from the older snapshot
+        client.restore(key, 0, value)
+    store._run_id = "another instance"  # what INFO's run_id says after a restart
+    with pytest.raises(StoreLost, match="restarted"):
+        store.check()
+    scheduler.outputs.rewrite(StoreLost("restarted"))
+    assert store.read_tokens("live") == [10, 11]
+    assert store.read_state("done") is RequestStatus.FINISHED_ABORTED
+    assert client.ttl("{req:done}:meta") > 0
+    assert client.zrange("conveyor:unfinished", 0, -1) == [b"live"]
+
+
+def test_store_a_reused_id_waits_for_the_old_requests_last_tokens():
+    """During an outage the old request's finish stays buffered; a new request with its id
+    must not receive them (or merge its writes into the old keys)."""
+    down = RedisStateStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    scheduler = Scheduler(make_config(), None)
+    scheduler.add_request(make_request("x", 4, 1))
+    scheduler.outputs.store = down
+    plan = scheduler.schedule()
+    with pytest.raises(StateStoreError):
+        scheduler.process_result(StepResult(plan.step_id, ["x"], [5]))  # finished, buffered
+    with pytest.raises(RequestExists, match="not persisted yet"):
+        scheduler.add_request(make_request("x", 4, 1))

@@ -164,6 +164,26 @@ class Scheduler:
         self._isolated_since = None
         return []
 
+    def skip_to_next_ready(self) -> bool:
+        """Async mode, after an empty plan: if a running request waits only for the
+        pipeline rule (it may run again at step s + P), jumps the step counter to the first
+        step one of them may run at, so that step is planned now — while step s is still in
+        the stages — rather than after s reports. With one micro-batch (few requests) this
+        keeps the scheduler's round trip off the critical path. Returns whether it jumped."""
+        if not self.config.is_async:
+            return False
+        ready = [
+            r.next_step_id
+            for r in self.running.values()
+            if r.status is RequestStatus.RUNNING
+            and len(r.pending_step_ids) <= 1
+            and r.next_step_id >= self._next_step_id
+        ]
+        if not ready:
+            return False
+        self._next_step_id = min(ready)
+        return True
+
     @property
     def isolated_id(self) -> str | None:
         """The suspect that runs alone now, or None."""

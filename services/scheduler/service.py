@@ -314,6 +314,8 @@ class SchedulerService:
             plan = scheduler.schedule()
             self.counters.schedule_s += time.perf_counter() - t0
             if not plan.num_requests and not plan.finished_request_ids:
+                if scheduler.skip_to_next_ready():
+                    continue
                 break
             self.counters.num_steps += 1
             self._inflight += 1

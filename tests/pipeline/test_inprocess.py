@@ -165,6 +165,26 @@ def test_pipeline_async_stage0_takes_decode_inputs_from_last_stage(num_stages, m
     assert sum(len(m) for m in hub.tokens_received) >= num_decode_inputs
 
 
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_pipeline_async_plans_a_lone_request_ahead(num_stages, model, redis_url):
+    """One request (one micro-batch): its step s + P is planned and sent as soon as step s
+    is, not after s reported, so the scheduler's round trip stays off the critical path."""
+    model_dir, prompts, ref_tokens, ref_logits = model
+
+    async def main():
+        async with InProcessStack(model_dir, num_stages, "async", redis_url) as stack:
+            return stack, await stack.generate(prompts[:1], [greedy(logprobs=NUM_LOGPROBS)])
+
+    stack, (outcome,) = asyncio.run(main())
+    assert_equals_hf(outcome, ref_tokens[0], ref_logits[0])
+    assert_whole(stack)
+    # The prefill (step 0) and the first decode (step P) went out together, before step 0
+    # reported; later the plan of s + P goes out as soon as s - P reported (how that races
+    # with s reporting depends on the machine, so only the first pair is checked).
+    events = stack.pipeline.events
+    assert events[:2] == [("plan", 0), ("plan", num_stages)], events[:6]
+
+
 def test_pipeline_sync_sends_tokens_in_the_plan(model, redis_url):
     """The contrast: in sync mode the scheduler carries each input token, nothing goes
     last → first."""

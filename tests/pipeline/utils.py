@@ -161,6 +161,8 @@ class LocalPipeline:
         """Set at the first stage error: the service would re-queue and retry forever, and
         a test waiting for tokens would hang instead of failing."""
         self.num_sessions = 0
+        self.events: list[tuple[str, int]] = []
+        """("plan", step) as plans are sent and ("report", step) as reports arrive."""
 
     @property
     def is_open(self) -> bool:
@@ -204,6 +206,7 @@ class LocalPipeline:
             elif is_last:
                 report = outcome_to_pb(outcome, stage)
                 self.results.append(report)
+                self.events.append(("report", report.step_id))
                 loop.call_soon_threadsafe(reports.put_nowait, StageReport(stage, report))
 
         return on_outcome
@@ -211,6 +214,7 @@ class LocalPipeline:
     async def send(self, plan_bytes: bytes) -> None:
         msg = worker_pb2.StepPlan.FromString(plan_bytes)
         self.plans.append(plan_from_pb(msg))
+        self.events.append(("plan", msg.step_id))
         for engine in self.engines:  # each worker decodes its own copy
             engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
 

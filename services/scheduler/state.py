@@ -23,6 +23,8 @@ class TokenDelta:
     finish_reason: str | None = None
     """`stop`, `length`, `abort` or `error` when this delta ends the request."""
     logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
 
 
 @dataclass(slots=True)
@@ -58,3 +60,7 @@ class StateStore(Protocol):
 
     def read_tokens(self, request_id: str, offset: int = 0) -> list[int]:
         """A request's output tokens from `offset` on (a broken stream resumes there)."""
+
+    def read_owner_token(self, request_id: str) -> str | None:
+        """The owner token a request was submitted with ("" for one stored before owner
+        tokens existed); None when the request is unknown or expired."""

@@ -206,6 +206,7 @@ def _write_key(path: Path, key) -> None:
         serialization.NoEncryption(),
     )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file that existed keeps its mode through O_CREAT
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 

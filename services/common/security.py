@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,11 +299,6 @@ def add_internal_token_argument(parser: argparse.ArgumentParser, help_text: str)
     )
 
 
-def client_security_from_args(args: argparse.Namespace, token: str | None) -> ClientSecurity:
-    """The ClientSecurity of a command with add_tls_arguments' flags and a bearer `token`."""
-    return ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-
-
 def internal_client(
     tls_ca: str | None,
     tls_cert: str | None,
@@ -332,8 +326,3 @@ def log_security(name: str, address: str, security: ServerSecurity, host: str) -
         )
     else:
         logger.info("%s on %s: %s", name, address, what)
-
-
-def environ() -> Mapping[str, str]:
-    """The process environment (CLI builders read it once, here)."""
-    return os.environ

@@ -76,12 +76,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/torch_extensions /opt/torch_extensions
-# /models is owned by the service user so that a fresh named volume mounted there is writable
-# by `conveyor models fetch` (Docker copies the directory's owner into an empty volume).
+# /models (and /certs, docker-compose.tls.yml) are owned by the service user so that a fresh
+# named volume mounted there is writable by `conveyor models fetch` (`conveyor certs`): Docker
+# copies the directory's owner into an empty volume.
 RUN groupadd --system --gid 10001 conveyor \
     && useradd --system --uid 10001 --gid conveyor --create-home --home-dir /home/conveyor conveyor \
-    && mkdir -p /models \
-    && chown conveyor:conveyor /models
+    && mkdir -p /models /certs \
+    && chown conveyor:conveyor /models /certs
 USER 10001:10001
 WORKDIR /home/conveyor
 VOLUME ["/models"]

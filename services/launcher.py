@@ -4,6 +4,11 @@ Starts a private redis-server (unless --redis-url), P stage workers, the schedul
 router, waits until the router reports SERVING, and on Ctrl-C / SIGTERM stops all of them.
 Children die with the launcher even if it is killed (PR_SET_PDEATHSIG), so no process is
 left behind.
+
+The workers, the scheduler and the rendezvous listen on 127.0.0.1 only, the router too unless
+--host says otherwise. Without credentials (the default) the stack is unauthenticated, and
+says so; --api-key-file, --tls-cert/--tls-key/--tls-ca and --internal-token-file (or
+CONVEYOR_INTERNAL_TOKEN, inherited by the children) are passed to the services they concern.
 """
 
 from __future__ import annotations
@@ -19,8 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads, stage_cpus
+from services.common.errors import ConfigError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port
+from services.common.security import (
+    ClientSecurity,
+    add_internal_token_argument,
+    add_tls_arguments,
+    check_tls_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +41,25 @@ class StackStopped(Exception):
     """A stop (SIGTERM / Ctrl-C) arrived while the stack was still starting."""
 
 
+INTERNAL_HOST = "127.0.0.1"
+"""Where `conveyor up` binds the workers, the scheduler and the rendezvous."""
+
+
 def wait_serving(
     address: str,
     timeout_s: float,
     proc: subprocess.Popen | None = None,
     should_stop: Callable[[], bool] | None = None,
+    security: ClientSecurity | None = None,
 ) -> None:
-    """Polls grpc.health.v1 until SERVING; raises TimeoutError naming the address, or
-    StackStopped as soon as `should_stop()` is true."""
+    """Polls grpc.health.v1 until SERVING (over TLS with `security`'s CA; health needs no
+    other credential); raises TimeoutError naming the address, or StackStopped as soon as
+    `should_stop()` is true."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (security or ClientSecurity()).sync_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if should_stop is not None and should_stop():
@@ -182,19 +200,21 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     Raises StackStopped (with every child stopped) when `stack.stopping` is set meanwhile."""
     stack = stack or Stack(max_restarts=args.max_restarts)
     should_stop = lambda: stack.stopping  # noqa: E731
+    internal, public = _security_args(args)
+    client = _client_security(args)
     try:
         redis_url = args.redis_url
         if not redis_url:
             stack.redis = RedisServer().start()
             redis_url = stack.redis.url
-        dist_addr = f"127.0.0.1:{free_port()}"
+        dist_addr = f"{INTERNAL_HOST}:{free_port()}"
         worker_addrs = []
         env = dict(os.environ)
         threads = args.threads or default_threads(args.stages)
         pinned = stage_cpus(args.stages, threads) if args.cpu_affinity == "auto" else None
         for stage in range(args.stages):
             port = free_port()
-            worker_addrs.append(f"127.0.0.1:{port}")
+            worker_addrs.append(f"{INTERNAL_HOST}:{port}")
             argv = [
                 "worker",
                 "--model",
@@ -207,6 +227,9 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 dist_addr,
                 "--port",
                 str(port),
+                "--host",
+                INTERNAL_HOST,
+                *internal,
                 "--kv-cache-memory",
                 args.kv_cache_memory,
                 "--dtype",
@@ -223,7 +246,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             argv += _observability_args(args, 2 + stage)
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
-        scheduler_addr = f"127.0.0.1:{scheduler_port}"
+        scheduler_addr = f"{INTERNAL_HOST}:{scheduler_port}"
         stack.scheduler_address = scheduler_addr
         argv = [
             "scheduler",
@@ -233,6 +256,9 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             redis_url,
             "--port",
             str(scheduler_port),
+            "--host",
+            INTERNAL_HOST,
+            *internal,
             "--scheduling",
             args.scheduling,
             *args.scheduler_args,
@@ -243,7 +269,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             argv += ["--trace-scheduler", args.trace_scheduler]
         argv += _observability_args(args, 1)
         scheduler = stack.spawn("scheduler", argv, env)
-        wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop)
+        wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop, client)
         argv = [
             "router",
             "--scheduler",
@@ -252,16 +278,70 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             args.model,
             "--port",
             str(args.port),
+            "--host",
+            args.host,
+            *public,
             *_observability_args(args, 0),
             *args.router_args,
         ]
         router = stack.spawn("router", argv, env)
-        public_addr = f"127.0.0.1:{args.port}"
-        wait_serving(public_addr, args.startup_timeout, router, should_stop)
+        public_addr = f"{_connect_host(args.host)}:{args.port}"
+        wait_serving(public_addr, args.startup_timeout, router, should_stop, client)
         return stack, public_addr
     except BaseException:
         stack.stop()
         raise
+
+
+def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(flags of the workers and the scheduler, flags of the router). Logs how the stack is
+    protected: unauthenticated unless credentials were given."""
+    check_tls_files(args.tls_cert, args.tls_key)
+    if bool(args.tls_cert) != bool(args.tls_ca):
+        raise ConfigError(
+            "conveyor up runs TLS between every service or none: give --tls-cert, --tls-key "
+            "and --tls-ca (the CA that signed the certificate; `conveyor certs` makes both)"
+        )
+    if args.tls_client_ca and not args.tls_cert:
+        raise ConfigError("--tls-client-ca needs --tls-cert, --tls-key and --tls-ca")
+    tls = []
+    if args.tls_cert:
+        tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", args.tls_ca]
+    token = ["--internal-token-file", args.internal_token_file] if args.internal_token_file else []
+    keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    has_token = bool(token) or bool(os.environ.get("CONVEYOR_INTERNAL_TOKEN"))
+    if not (keys or args.tls_client_ca):
+        logger.info(
+            "unauthenticated mode: clients of the router on %s are anonymous (--api-key-file "
+            "turns on API keys)",
+            args.host,
+        )
+    if not (has_token or args.tls_ca):
+        logger.info(
+            "internal services unauthenticated: the workers, the scheduler and the "
+            "rendezvous listen on %s only (--internal-token-file or --tls-ca protect them "
+            "from other local users)",
+            INTERNAL_HOST,
+        )
+    public = [*tls, *token, *keys]
+    if args.tls_client_ca:
+        public += ["--tls-client-ca", args.tls_client_ca]
+    return [*tls, *token], public
+
+
+def _client_security(args: argparse.Namespace) -> ClientSecurity:
+    """How the launcher reaches the services' health: their CA and, for mutual TLS, the
+    services' certificate."""
+    if not args.tls_ca:
+        return ClientSecurity()
+    return ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def _connect_host(host: str) -> str:
+    """An address to reach a server bound to `host` from this machine."""
+    if host.strip("[]") in ("", "0.0.0.0", "::"):
+        return INTERNAL_HOST
+    return host if ":" not in host or host.startswith("[") else f"[{host}]"
 
 
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
@@ -286,6 +366,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages, one worker process each (default: 2)",
     )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
+    parser.add_argument(
+        "--host",
+        default=INTERNAL_HOST,
+        help="the router's bind address; the other services always listen on 127.0.0.1 "
+        f"(default: {INTERNAL_HOST}; [::] for every interface)",
+    )
     parser.add_argument(
         "--redis-url",
         default=None,
@@ -381,6 +467,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to the router",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="the router's API keys (`conveyor keys add`) (default: off: clients are anonymous)",
+    )
+    add_tls_arguments(
+        parser,
+        cert_help="PEM certificate of every service (the router's public port too); it must "
+        "be valid for 127.0.0.1",
+        ca_help="PEM CA of the services' certificates: mutual TLS between them",
+        environ=os.environ,
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PEM",
+        help="the router asks clients for certificates signed by this CA (default: none)",
+    )
+    add_internal_token_argument(parser, "file holding the token between the services")
 
 
 def run(args: argparse.Namespace) -> int:

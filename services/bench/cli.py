@@ -11,7 +11,16 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
+
+from services.common.security import (
+    ENV_API_KEY,
+    ClientSecurity,
+    add_internal_token_argument,
+    add_tls_arguments,
+    internal_token,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
+    add_tls_arguments(
+        parser,
+        cert_help="client certificate, presented to the router and the scheduler",
+        ca_help=f"PEM CA the router's and the scheduler's certificates chain to: TLS on. The "
+        f"router's API key comes from env {ENV_API_KEY}",
+        environ=os.environ,
+    )
+    add_internal_token_argument(parser, "file holding the scheduler's internal token (--scheduler)")
     compare = parser.add_argument_group("--compare: start stacks on this machine and compare")
     compare.add_argument(
         "--compare",
@@ -137,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout,
         progress=args.progress,
+        security=ClientSecurity.from_files(
+            args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
+        ),
     )
     if args.compare:
         from services.bench.compare import run_compare
@@ -150,8 +170,10 @@ async def _bench(args: argparse.Namespace, options) -> int:
     from services.bench.run import BenchTarget, build_requests, run_benchmark
 
     workload = _workload(args)
-    requests = await build_requests(args.server, workload)
-    target = BenchTarget(args.server, args.scheduler, options)
+    requests = await build_requests(args.server, workload, options.security)
+    token = internal_token(args.internal_token_file, os.environ)
+    scheduler_security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
+    target = BenchTarget(args.server, args.scheduler, options, scheduler_security)
     result = await run_benchmark(target, requests, seed=args.seed)
     print(result_table(result), flush=True)
     if args.json_path:

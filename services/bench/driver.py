@@ -11,12 +11,13 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from services.bench.datasets import WORDS, BenchRequest
 from services.bench.metrics import RequestOutput
+from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +36,24 @@ class DriverOptions:
     timeout_s: float | None = None
     """Per-request deadline; None means none."""
     progress: bool = True
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS to the router and the API key every request presents."""
 
 
-async def token_pool(address: str, text: str = WORDS) -> list[int]:
+async def token_pool(
+    address: str, text: str = WORDS, security: ClientSecurity | None = None
+) -> list[int]:
     """The distinct ids the served tokenizer gives `text`: valid prompt ids for any model."""
     from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    security = security or ClientSecurity()
+    async with security.channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        reply = await stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=30)
+        reply = await stub.Tokenize(
+            generation_pb2.TokenizeRequest(text=text),
+            timeout=30,
+            metadata=security.with_metadata(None),
+        )
     return sorted(set(reply.token_ids))
 
 
@@ -59,7 +69,8 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
     )
     start = time.perf_counter()
     try:
-        async for reply in stub.Generate(msg, timeout=options.timeout_s):
+        metadata = options.security.with_metadata(None)
+        async for reply in stub.Generate(msg, timeout=options.timeout_s, metadata=metadata):
             out.add_tokens(time.perf_counter() - start, len(reply.token_ids))
             if reply.HasField("usage"):
                 out.cached_tokens = reply.usage.cached_tokens
@@ -89,7 +100,7 @@ async def run_requests(
         bar.update(1)
         return out
 
-    async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+    async with options.security.channel(address, options=_CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
         tasks = []

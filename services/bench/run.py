@@ -9,6 +9,7 @@ from services.bench.datasets import BenchRequest, arrival_gaps, prefix_requests,
 from services.bench.driver import DriverOptions, run_requests, token_pool
 from services.bench.metrics import summarize
 from services.bench.stats import SchedulerProbe
+from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +61,23 @@ class BenchTarget:
     server: str
     scheduler: str | None = None
     options: DriverOptions = field(default_factory=DriverOptions)
+    scheduler_security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS to the scheduler and its internal token (for its GetStats)."""
 
 
-async def build_requests(server: str, workload: Workload) -> list[BenchRequest]:
+async def build_requests(
+    server: str, workload: Workload, security: ClientSecurity | None = None
+) -> list[BenchRequest]:
     """The workload's requests, with prompt ids the served tokenizer produces."""
-    return workload.build(await token_pool(server))
+    return workload.build(await token_pool(server, security=security))
 
 
 async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed: int = 0) -> dict:
     """Sends `requests`; returns the summary plus, with a scheduler, its pipeline stats
     measured over the run."""
-    probe = SchedulerProbe(target.scheduler) if target.scheduler else None
+    probe = (
+        SchedulerProbe(target.scheduler, target.scheduler_security) if target.scheduler else None
+    )
     if probe:
         await probe.start()
     gaps = arrival_gaps(len(requests), target.options.request_rate, seed)

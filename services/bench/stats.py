@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-import grpc
+from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -16,17 +16,20 @@ logger = logging.getLogger(__name__)
 class SchedulerProbe:
     """Bubble per stage, prefix-cache hit rate and preemptions over one run."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ClientSecurity | None = None):
         self.address = address
+        self.security = security or ClientSecurity()
+        """TLS to the scheduler and the internal token (GetStats is for operators)."""
         self._start = None
 
     async def _stats(self, reset: bool):
         from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with self.security.channel(self.address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             request = scheduler_pb2.GetStatsRequest(reset_timelines=reset)
-            return await stub.GetStats(request, timeout=30)
+            metadata = self.security.with_metadata(None)
+            return await stub.GetStats(request, timeout=30, metadata=metadata)
 
     async def start(self) -> None:
         self._start = await self._stats(reset=True)

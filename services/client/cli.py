@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from services.common.security import ENV_API_KEY, add_tls_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help="print one JSON object (text, token_ids, finish_reason, usage)",
+    )
+    add_tls_arguments(
+        parser,
+        cert_help="client certificate, for a router with --tls-client-ca",
+        ca_help=f"PEM CA the router's certificate chains to: TLS on. The API key, if the "
+        f"router asks for one, comes from env {ENV_API_KEY}",
+        environ=os.environ,
     )
 
 
@@ -60,7 +70,15 @@ def run(args: argparse.Namespace) -> int:
     from services.client.client import ConveyorClient, collect
 
     try:
-        with ConveyorClient(args.server, timeout_s=args.timeout) as client:
+        client = ConveyorClient(
+            args.server,
+            timeout_s=args.timeout,
+            api_key=os.environ.get(ENV_API_KEY) or None,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+        with client:
             deltas = client.generate(**_request_kwargs(args))
             if args.json:
                 print(json.dumps(collect(deltas).to_dict(), ensure_ascii=False))

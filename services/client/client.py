@@ -10,6 +10,12 @@ stop_token_ids, ignore_eos, logprobs, repetition_penalty, presence_penalty,
 frequency_penalty); `stop`, `include_stop_str_in_output`, `priority`, `tenant`,
 `request_id` and `model` are request fields. Errors are `grpc.RpcError`s whose code and
 details say what to fix.
+
+A router with API keys or TLS takes them as keywords:
+
+    ConveyorClient("router:50051", api_key=os.environ["CONVEYOR_API_KEY"], tls_ca="ca.crt")
+
+(`tls_cert` / `tls_key` add a client certificate, for a router with --tls-client-ca).
 """
 
 from __future__ import annotations
@@ -18,10 +24,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from services.common.pb import FINISH_FROM_PB
 from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.security import ClientSecurity
 
 _SAMPLING_FIELDS = set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 _REQUEST_FIELDS = {
@@ -132,12 +137,33 @@ def collect(deltas) -> Result:
     )
 
 
-class ConveyorClient:
-    """Blocking client; `generate()` yields Deltas, `complete()` returns a Result."""
+def _security(api_key, tls_ca, tls_cert, tls_key) -> ClientSecurity:
+    return ClientSecurity.from_files(tls_ca, tls_cert, tls_key, token=api_key)
 
-    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = None):
+
+class ConveyorClient:
+    """Blocking client; `generate()` yields Deltas, `complete()` returns a Result.
+
+    Args:
+        api_key: sent as `authorization: Bearer <key>` (a router with --api-key-file).
+        tls_ca: PEM file of the CA the router's certificate chains to: TLS on.
+        tls_cert, tls_key: a client certificate (a router with --tls-client-ca).
+    """
+
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        security = _security(api_key, tls_ca, tls_cert, tls_key)
+        self._metadata = security.with_metadata(None)
+        self._channel = security.sync_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> ConveyorClient:
@@ -159,7 +185,9 @@ class ConveyorClient:
     ) -> Iterator[Delta]:
         """Streams the output; closing the iterator early cancels the request."""
         call = self._stub.Generate(
-            build_request(prompt, chat, token_ids, **kwargs), timeout=self.timeout_s
+            build_request(prompt, chat, token_ids, **kwargs),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
         )
         try:
             for msg in call:
@@ -177,19 +205,33 @@ class ConveyorClient:
             msg.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in chat)
         else:
             msg.text = text or ""
-        return list(self._stub.Tokenize(msg, timeout=self.timeout_s).token_ids)
+        reply = self._stub.Tokenize(msg, timeout=self.timeout_s, metadata=self._metadata)
+        return list(reply.token_ids)
 
     def list_models(self) -> list[dict[str, Any]]:
-        reply = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        reply = self._stub.ListModels(
+            generation_pb2.ListModelsRequest(), timeout=self.timeout_s, metadata=self._metadata
+        )
         return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]
 
 
 class AsyncConveyorClient:
-    """asyncio client with the same methods as ConveyorClient, awaited."""
+    """asyncio client with the same methods (and credentials) as ConveyorClient, awaited."""
 
-    def __init__(self, address: str = "localhost:50051", timeout_s: float | None = None):
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        security = _security(api_key, tls_ca, tls_cert, tls_key)
+        self._metadata = security.with_metadata(None)
+        self._channel = security.channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> AsyncConveyorClient:
@@ -211,7 +253,9 @@ class AsyncConveyorClient:
     ) -> AsyncIterator[Delta]:
         """Streams the output; leaving the loop early cancels the request."""
         call = self._stub.Generate(
-            build_request(prompt, chat, token_ids, **kwargs), timeout=self.timeout_s
+            build_request(prompt, chat, token_ids, **kwargs),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
         )
         try:
             async for msg in call:
@@ -224,6 +268,6 @@ class AsyncConveyorClient:
 
     async def list_models(self) -> list[dict[str, Any]]:
         reply = await self._stub.ListModels(
-            generation_pb2.ListModelsRequest(), timeout=self.timeout_s
+            generation_pb2.ListModelsRequest(), timeout=self.timeout_s, metadata=self._metadata
         )
         return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]

@@ -32,6 +32,15 @@ class RequestExists(ConveyorError):
     """A request id that is already running (gRPC ALREADY_EXISTS)."""
 
 
+class Unauthenticated(ConveyorError):
+    """A call without the credential the service asks for, or with one it does not accept
+    (gRPC UNAUTHENTICATED)."""
+
+
+class PermissionDenied(ConveyorError):
+    """The caller is known but may not do what it asked (gRPC PERMISSION_DENIED)."""
+
+
 class ModelNotFound(ConveyorError):
     """A model name this service does not serve (gRPC NOT_FOUND)."""
 

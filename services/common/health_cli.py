@@ -12,6 +12,8 @@ import argparse
 import os
 import time
 
+from services.common.security import ClientSecurity, add_tls_arguments
+
 DEFAULT_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 0.5
 
@@ -36,10 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="keep asking until SERVING or SECONDS have passed (default: 0 = ask once)",
     )
+    add_tls_arguments(
+        parser,
+        cert_help="client certificate, for a service with mutual TLS (health asks for no "
+        "other credential)",
+        ca_help="PEM CA the service's certificate chains to: TLS on",
+        environ=os.environ,
+    )
 
 
-def check_once(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
-    """One health check on a fresh channel: (is SERVING, what to print).
+def check_once(
+    address: str, service: str, timeout_s: float, security: ClientSecurity | None = None
+) -> tuple[bool, str]:
+    """One health check on a fresh channel (over TLS with `security`): (is SERVING, what to
+    print).
 
     A fresh channel per check: a channel that failed to connect backs off exponentially, which
     would delay seeing a server that came up meanwhile."""
@@ -48,7 +60,7 @@ def check_once(address: str, service: str, timeout_s: float) -> tuple[bool, str]
 
     request = health_pb2.HealthCheckRequest(service=service)
     try:
-        with grpc.insecure_channel(address) as channel:
+        with (security or ClientSecurity()).sync_channel(address) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)
     except grpc.RpcError as exc:
         # NOT_FOUND: the server does not know this service name; UNAVAILABLE: nothing listening.
@@ -64,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if args.wait < 0:
         print(f"--wait must be >= 0 seconds, got {args.wait}")
         return 1
+    security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key)
     deadline = time.monotonic() + args.wait
     while True:
-        is_serving, message = check_once(args.address, args.service, args.timeout)
+        is_serving, message = check_once(args.address, args.service, args.timeout, security)
         if is_serving or time.monotonic() + POLL_INTERVAL_S > deadline:
             break
         time.sleep(POLL_INTERVAL_S)

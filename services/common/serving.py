@@ -13,6 +13,12 @@ Errors become statuses in one place: `ErrorInterceptor` wraps every method of th
 so servicers and the pure code under them raise the domain exceptions of
 services/common/errors.py and never call `context.abort` themselves. An exception that is
 not a `ConveyorError` is a bug: it is logged with its traceback and answered INTERNAL.
+
+Authentication happens there too: before a method runs, the service's `Authenticator`
+(`ServerSecurity`, services/common/security.py) turns the call's credentials into a
+`Principal` that the servicer reads from `services.common.auth.current_principal`, or the
+call ends UNAUTHENTICATED. grpc.health.v1 is exempt (probes); with TLS on, `health_port`
+serves it alone in plaintext, for probes that cannot speak TLS (the kubelet's).
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
+from services.common.auth import current_principal
+from services.common.security import ServerSecurity, call_credentials, log_security
 
 logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_HEALTH_METHODS = f"/{HEALTH_SERVICE}/"
 LIVENESS = "liveness"
 """Health service name that is SERVING while the process is alive (liveness probes)."""
 
@@ -43,6 +52,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.UnknownRequest, grpc.StatusCode.NOT_FOUND),
     (errors.ModelNotFound, grpc.StatusCode.NOT_FOUND),
     (errors.RequestExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.PipelineUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.StateStoreError, grpc.StatusCode.UNAVAILABLE),
     (errors.RequestFailed, grpc.StatusCode.INTERNAL),
@@ -65,14 +76,16 @@ def message_for(exc: BaseException, service: str = "service") -> str:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by any method of the server to a status and a message.
+    """Authenticates every call and maps exceptions raised by any method of the server to a
+    status and a message.
 
     Wraps the handler of every method (unary or streaming, either side), so that a
     servicer is plain code that raises. The natural place for checks every call shares.
     """
 
-    def __init__(self, service: str):
+    def __init__(self, service: str, security: ServerSecurity | None = None):
         self.service = service
+        self.authenticator = (security or ServerSecurity()).authenticator
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -89,10 +102,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: self._wrap(behaviour, method)})
 
     def _wrap(self, behaviour: Callable, method: str) -> Callable:
+        is_exempt = method.startswith(_HEALTH_METHODS)
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request, context):
                 try:
+                    if not is_exempt:
+                        self._authenticate(context, method)
                     async for item in behaviour(request, context):
                         yield item
                 except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
@@ -102,11 +118,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def unary(request, context):
             try:
+                if not is_exempt:
+                    self._authenticate(context, method)
                 return await behaviour(request, context)
             except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method)
 
         return unary
+
+    def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Sets the call's principal (each RPC runs in a task of its own, so the value is
+        this call's); raises Unauthenticated."""
+        try:
+            principal = self.authenticator.authenticate(call_credentials(context))
+        except errors.Unauthenticated as exc:
+            logger.info("%s refused %s from %s: %s", self.service, method, context.peer(), exc)
+            raise
+        current_principal.set(principal)
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception, method: str):
         if isinstance(exc, grpc.aio.AbortError):
@@ -118,8 +146,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """A `grpc.aio` server with the standard health service, reflection, the error
-    interceptor, SIGTERM handling and a graceful stop."""
+    """A `grpc.aio` server with the standard health service, reflection, the error and
+    authentication interceptor, TLS, SIGTERM handling and a graceful stop."""
 
     def __init__(
         self,
@@ -129,6 +157,8 @@ class GrpcServer:
         service_names: Sequence[str],
         options: Sequence[tuple[str, object]] = (),
         reflection_pool=None,
+        security: ServerSecurity | None = None,
+        health_port: int | None = None,
     ):
         """
         Args:
@@ -138,16 +168,27 @@ class GrpcServer:
             options: grpc server options (message size limits).
             reflection_pool: a descriptor pool for reflection (the router's KServe protos
                 live in a private pool); None: the default pool.
+            security: TLS and the authenticator of calls; None: plaintext, anyone.
+            health_port: a second, plaintext port on `host` serving grpc.health.v1 only.
         """
         self.name = name
+        self.host = host
         self.address = f"{host}:{port}"
         self.service_names = list(service_names)
+        self.security = security or ServerSecurity()
         # No SO_REUSEPORT: a second process on a taken port is an error, not a silent share
         # of the first one's connections.
         options = [("grpc.so_reuseport", 0), *options]
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(name)], options=options)
+        interceptor = ErrorInterceptor(name, self.security)
+        self.server = grpc.aio.server(interceptors=[interceptor], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server = None
+        self.health_address = None
+        if health_port is not None:
+            self.health_address = f"{host}:{health_port}"
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         reflection.enable_server_reflection(
             [*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME],
             self.server,
@@ -163,17 +204,27 @@ class GrpcServer:
         """Binds and starts; health says NOT_SERVING until `set_serving(True)`."""
         await self.set_serving(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-        try:
-            self.server.add_insecure_port(self.address)
-        except RuntimeError as exc:
-            raise errors.ConfigError(
-                f"{self.name} cannot listen on {self.address} ({exc}): the port is taken or "
-                "the address is not this machine's"
-            ) from exc
+        self._bind(self.server, self.address, self.security.credentials())
+        if self.health_server is not None:
+            self._bind(self.health_server, self.health_address, None)
+            await self.health_server.start()
         await self.server.start()
+        log_security(self.name, self.address, self.security, self.host)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+
+    def _bind(self, server: grpc.aio.Server, address: str, credentials) -> None:
+        try:
+            if credentials is None:
+                server.add_insecure_port(address)
+            else:
+                server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            raise errors.ConfigError(
+                f"{self.name} cannot listen on {address} ({exc}): the port is taken or "
+                "the address is not this machine's"
+            ) from exc
 
     async def set_serving(self, is_serving: bool) -> None:
         status = (
@@ -195,3 +246,5 @@ class GrpcServer:
         """Health NOT_SERVING for everyone (liveness too), then a graceful stop."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)

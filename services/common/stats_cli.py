@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+from services.common.security import (
+    ClientSecurity,
+    add_internal_token_argument,
+    add_tls_arguments,
+    internal_token,
+)
 
 DEFAULT_WATCH_S = 2.0
 
@@ -37,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds to wait for the scheduler (default: 10)",
     )
+    add_tls_arguments(
+        parser,
+        cert_help="client certificate, for a scheduler with mutual TLS",
+        ca_help="PEM CA the scheduler's certificate chains to: TLS on",
+        environ=os.environ,
+    )
+    add_internal_token_argument(parser, "file holding the scheduler's internal token")
 
 
 def stats_to_dict(msg, top: int) -> dict:
@@ -117,12 +132,18 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         print(f"--watch must be > 0 seconds, got {args.watch:g}")
         return 1
-    with grpc.insecure_channel(args.server) as channel:
+    token = internal_token(args.internal_token_file, os.environ)
+    security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
+    with security.sync_channel(args.server) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             while True:
                 try:
-                    msg = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=args.timeout)
+                    msg = stub.GetStats(
+                        scheduler_pb2.GetStatsRequest(),
+                        timeout=args.timeout,
+                        metadata=security.with_metadata(None),
+                    )
                 except grpc.RpcError as exc:
                     print(f"{args.server}: {exc.code().name}: {exc.details()}")
                     return 1

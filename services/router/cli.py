@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from services.router.config import DEFAULT_PORT
+from services.common.config import default_of
+from services.common.security import (
+    add_internal_token_argument,
+    add_tls_arguments,
+    internal_token,
+)
+from services.router.config import DEFAULT_PORT, RouterConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,11 +52,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
         "file:///PATH (JSON lines) (default: off)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=default_of(RouterConfig, "api_key_file"),
+        metavar="FILE",
+        help="API keys (lines of `conveyor keys add`): every call needs `authorization: "
+        "Bearer <key>`; the key sets the principal, tenant and priority ceiling "
+        "(default: off: everyone is anonymous)",
+    )
+    add_tls_arguments(
+        parser,
+        cert_help="PEM certificate of the public port, also the client certificate "
+        "presented to the scheduler",
+        ca_help="PEM CA the scheduler's certificate must chain to: TLS to the scheduler",
+        environ=os.environ,
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=default_of(RouterConfig, "tls_client_ca"),
+        metavar="PEM",
+        help="require client certificates signed by this CA on the public port; without "
+        "API keys the certificate's identity is the principal (default: none asked)",
+    )
+    add_internal_token_argument(parser, "file holding the token presented to the scheduler")
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=default_of(RouterConfig, "health_port"),
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
+        "cannot speak TLS) (default: off)",
+    )
 
 
-def build_config(args: argparse.Namespace):
-    from services.router.config import RouterConfig
-
+def build_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         scheduler_address=args.scheduler,
         model_dir=args.model,
@@ -60,6 +95,14 @@ def build_config(args: argparse.Namespace):
         resume_timeout_s=args.resume_timeout,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint,
+        api_key_file=args.api_key_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        tls_client_ca=args.tls_client_ca,
+        internal_token_file=args.internal_token_file,
+        internal_token=internal_token(args.internal_token_file, os.environ),
+        health_port=args.health_port,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.errors import ConfigError
@@ -40,6 +40,30 @@ class RouterConfig:
     otlp_endpoint: str | None = None
     """Where spans go (`--otlp-endpoint`, see services/common/telemetry.py); None: no tracing."""
 
+    # -- security (docs/security.md) ------------------------------------------------------
+    api_key_file: str | None = None
+    """Key file (`--api-key-file`, lines of `conveyor keys add`): every call needs
+    `authorization: Bearer <key>`, and the key sets its principal, tenant and priority
+    ceiling; None: no keys (everyone is "anonymous", tenant and priority self-declared)."""
+    tls_cert: str | None = None
+    """PEM certificate of the public port (`--tls-cert`), also presented to the scheduler
+    when it asks for client certificates; None: plaintext."""
+    tls_key: str | None = None
+    """Its private key (`--tls-key`)."""
+    tls_ca: str | None = None
+    """PEM CA the scheduler's certificate must chain to (`--tls-ca`): TLS to the scheduler;
+    None: plaintext to it."""
+    tls_client_ca: str | None = None
+    """PEM CA whose client certificates the public port requires (`--tls-client-ca`);
+    without API keys the certificate's identity is the principal. None: none asked."""
+    internal_token_file: str | None = None
+    """File holding the internal token presented to the scheduler (`--internal-token-file`)."""
+    internal_token: str | None = field(default=None, repr=False)
+    """The internal token: from --internal-token-file, else CONVEYOR_INTERNAL_TOKEN(_FILE)
+    (read by the CLI); None: none sent."""
+    health_port: int | None = None
+    """A plaintext port serving grpc.health.v1 only (`--health-port`); None: none."""
+
     def __post_init__(self) -> None:
         if not self.scheduler_address or ":" not in self.scheduler_address:
             raise ConfigError(f"--scheduler={self.scheduler_address!r} must be HOST:PORT")
@@ -47,10 +71,18 @@ class RouterConfig:
             raise ConfigError(f"--model={self.model_dir} is not a directory")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port={self.port} is out of range: must be in [1, 65535]")
-        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+        for name, value in (("metrics-port", self.metrics_port), ("health-port", self.health_port)):
+            if value is not None and not 0 < value < 65536:
+                raise ConfigError(f"--{name}={value} is out of range: must be in [1, 65535]")
+        from services.common.security import check_tls_files, read_secret
+
+        check_tls_files(self.tls_cert, self.tls_key)
+        if self.tls_client_ca and not self.tls_cert:
             raise ConfigError(
-                f"--metrics-port={self.metrics_port} is out of range: must be in [1, 65535]"
+                "--tls-client-ca needs TLS on the port: give --tls-cert and --tls-key"
             )
+        if self.internal_token is None and self.internal_token_file:
+            self.internal_token = read_secret(self.internal_token_file, "--internal-token-file")
         if self.otlp_endpoint:
             from services.common.telemetry import check_endpoint
 

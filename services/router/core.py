@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.common.errors import RequestFailed
+from services.common.auth import ANONYMOUS_PRINCIPAL, Principal
+from services.common.errors import PermissionDenied, RequestFailed
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
 from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
@@ -43,9 +44,15 @@ class RouterCore:
     tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created
     _aborts: set[asyncio.Task] = field(default_factory=set)
 
-    def prepare(self, req: GenerateInput) -> PreparedRequest:
-        """Validates and tokenizes; raises InvalidRequest naming the bad field."""
-        return prepare(req, self.tokenizer, self.limits)
+    def prepare(
+        self, req: GenerateInput, principal: Principal = ANONYMOUS_PRINCIPAL
+    ) -> PreparedRequest:
+        """Validates and tokenizes a request of `principal`; raises InvalidRequest naming
+        the bad field, PermissionDenied for a tenant that is not the principal's."""
+        apply_principal(req, principal)
+        prepared = prepare(req, self.tokenizer, self.limits)
+        prepared.principal = principal.name
+        return prepared
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[OutputDelta]:
         """Streams the request's output; the last delta has a finish reason and usage.
@@ -85,16 +92,19 @@ class RouterCore:
             raise
         finally:
             if not is_upstream_done:
-                self._abort_soon(req.request_id)
+                self._abort_soon(req)
             if obs is not None:
                 obs.end(ended_as)
 
-    def _abort_soon(self, request_id: str) -> None:
-        """Aborts in a task of its own, so that a cancelled caller still frees the blocks."""
-        task = asyncio.get_running_loop().create_task(self.scheduler.abort(request_id))
+    def _abort_soon(self, req: PreparedRequest) -> None:
+        """Aborts in a task of its own, so that a cancelled caller still frees the blocks.
+        Safe whatever became of the Submit: the scheduler acts only on the request this
+        submission created (its owner token), so a refused duplicate id aborts nothing."""
+        abort = self.scheduler.abort(req.request_id, req.principal, req.owner_token)
+        task = asyncio.get_running_loop().create_task(abort)
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
-        logger.debug("aborting %s", request_id)
+        logger.debug("aborting %s", req.request_id)
 
     async def collect(self, req: PreparedRequest) -> tuple[str, OutputDelta]:
         """(whole text, last delta) of a request, for non-streaming APIs."""
@@ -105,3 +115,18 @@ class RouterCore:
             last = out
         assert last is not None and last.finish_reason is not None
         return "".join(texts), last
+
+
+def apply_principal(req: GenerateInput, principal: Principal) -> None:
+    """Tenant and priority as the principal's credential allows (API keys): the tenant is the
+    key's (another one is PERMISSION_DENIED), and a priority more urgent (lower) than the
+    key's ceiling runs at the ceiling. Without keys both stay as the client declared them."""
+    if principal.tenant is not None:
+        if req.tenant and req.tenant != principal.tenant:
+            raise PermissionDenied(
+                f"tenant={req.tenant[:80]!r} is not yours: your credential runs requests as "
+                f"tenant {principal.tenant!r} (leave tenant empty)"
+            )
+        req.tenant = principal.tenant
+    if principal.priority_max is not None and req.priority < principal.priority_max:
+        req.priority = principal.priority_max

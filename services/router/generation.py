@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from services.common.auth import current_principal
 from services.common.errors import InvalidRequest
 from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
@@ -67,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.core = core
 
     async def Generate(self, request, context):
-        prepared = self.core.prepare(input_from_pb(request))
+        prepared = self.core.prepare(input_from_pb(request), current_principal.get())
         async for out in self.core.generate(prepared):
             yield output_to_pb(prepared.request_id, out)
 

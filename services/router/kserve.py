@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.auth import current_principal
 from services.common.errors import ModelNotFound
 from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.proto.inference import grpc_service_pb2_grpc as pb_grpc
@@ -70,7 +71,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """The whole text at once; the prompt is prepended unless exclude_input_in_output."""
         self._check_model(request.model_name)
         decoded = request_from_pb(request)
-        prepared = self.core.prepare(decoded.generate)
+        prepared = self.core.prepare(decoded.generate, current_principal.get())
         text, _ = await self.core.collect(prepared)
         if not decoded.exclude_input_in_output:
             text = prepared.prompt_text + text
@@ -122,7 +123,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, msg: pb.ModelInferRequest):
         self._check_model(msg.model_name)
         decoded: KServeRequest = request_from_pb(msg)
-        prepared = self.core.prepare(decoded.generate)
+        prepared = self.core.prepare(decoded.generate, current_principal.get())
         wants_empty_final = (
             _WANTS_EMPTY_FINAL in msg.parameters and msg.parameters[_WANTS_EMPTY_FINAL].bool_param
         )

@@ -9,6 +9,7 @@ whose message names the field, the value and what is allowed.
 from __future__ import annotations
 
 import re
+import secrets
 import uuid
 from dataclasses import dataclass, field
 
@@ -69,6 +70,9 @@ class PreparedRequest:
     priority: int = 0
     tenant: str = ""
     prompt_text: str = ""  # the rendered prompt (KServe echoes it unless excluded)
+    principal: str = ""  # whom it belongs to: request_id lives in its namespace
+    owner_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    """Random per submission: only this router's Resume and Abort act on the request."""
 
 
 def check_model(model: str, limits: ModelLimits) -> None:

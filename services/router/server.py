@@ -9,9 +9,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
+from services.common.auth import CertificateAuth, OpenAccess
 from services.common.proto.conveyor.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.proto.inference import grpc_service_pb2 as kserve_pb2
 from services.common.proto.inference import grpc_service_pb2_grpc as kserve_pb2_grpc
+from services.common.security import ServerSecurity, internal_client
 from services.common.serving import GrpcServer
 from services.router import generation, kserve
 from services.router.config import RouterConfig
@@ -70,16 +72,41 @@ def build_core(config: RouterConfig) -> RouterCore:
         max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
     )
-    scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s)
+    upstream = internal_client(
+        config.tls_ca, config.tls_cert, config.tls_key, config.internal_token
+    )
+    scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s, upstream)
     return RouterCore(tokenizer=tokenizer, limits=limits, scheduler=scheduler)
+
+
+def server_security(config: RouterConfig) -> ServerSecurity:
+    """The public port: API keys, else client certificates, else anyone ("anonymous")."""
+    from services.router.api_keys import ApiKeyAuth, load_key_file
+
+    if config.api_key_file:
+        authenticator = ApiKeyAuth(load_key_file(config.api_key_file))
+    elif config.tls_client_ca:
+        authenticator = CertificateAuth()
+    else:
+        authenticator = OpenAccess()
+    return ServerSecurity.from_files(
+        authenticator, config.tls_cert, config.tls_key, client_ca=config.tls_client_ca
+    )
 
 
 async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM/SIGINT, then drains gracefully."""
+    security = server_security(config)
     core = build_core(config)
     close_observers = install_observers(core, config)
     server = GrpcServer(
-        "router", config.host, config.port, PUBLIC_SERVICES, reflection_pool=reflection_pool()
+        "router",
+        config.host,
+        config.port,
+        PUBLIC_SERVICES,
+        reflection_pool=reflection_pool(),
+        security=security,
+        health_port=config.health_port,
     )
     server.add(
         generation_pb2_grpc.add_GenerationServicer_to_server, generation.GenerationServicer(core)

@@ -27,6 +27,7 @@ from services.common.errors import (
 )
 from services.common.pb import FINISH_FROM_PB, logprobs_from_pb, sampling_to_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.security import ClientSecurity
 from services.router.output import SchedulerDelta
 from services.router.request import PreparedRequest
 
@@ -82,10 +83,18 @@ def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerD
 class SchedulerClient:
     """One channel to the scheduler, shared by every request of a router."""
 
-    def __init__(self, address: str, resume_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        address: str,
+        resume_timeout_s: float = 60.0,
+        security: ClientSecurity | None = None,
+    ):
         self.address = address
         self.resume_timeout_s = resume_timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self.security = security or ClientSecurity()
+        """TLS to the scheduler and the internal token every call presents."""
+        self._metadata = self.security.with_metadata(None)
+        self._channel = self.security.channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -95,17 +104,21 @@ class SchedulerClient:
     async def is_serving(self, timeout_s: float = 1.0) -> bool:
         """True when the scheduler answers its health check with SERVING."""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def abort(self, request_id: str) -> bool:
-        """Aborts a request; False (logged) when the scheduler could not be told."""
+    async def abort(self, request_id: str, principal: str = "", owner_token: str = "") -> bool:
+        """Aborts a request (of `principal`, submitted with `owner_token`); False (logged when
+        unreachable) when the scheduler did not abort it."""
+        msg = scheduler_pb2.AbortRequest(
+            request_id=request_id, principal=principal, owner_token=owner_token
+        )
         try:
-            reply = await self._stub.Abort(
-                scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0
-            )
+            reply = await self._stub.Abort(msg, timeout=5.0, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort of %s failed: %s", request_id, exc.code().name)
             return False
@@ -124,8 +137,10 @@ class SchedulerClient:
             sampling=sampling_to_pb(req.sampling),
             priority=req.priority,
             tenant=req.tenant,
+            principal=req.principal,
+            owner_token=req.owner_token,
         )
-        call = self._stub.Submit(submit, metadata=metadata)
+        call = self._stub.Submit(submit, metadata=self.security.with_metadata(metadata))
         pending = None  # a message the resume already read from `call`
         next_offset, has_output = 0, False
         try:
@@ -148,20 +163,27 @@ class SchedulerClient:
                     ):
                         raise scheduler_error(exc) from exc
                     call.cancel()
-                    call, pending = await self._resume(req.request_id, next_offset, exc, has_output)
+                    call, pending = await self._resume(req, next_offset, exc, has_output)
         finally:
             call.cancel()
 
-    async def _resume(self, request_id: str, offset: int, cause: Exception, has_output: bool):
+    async def _resume(self, req: PreparedRequest, offset: int, cause: Exception, has_output: bool):
         """(call, its first message) of a Resume the scheduler accepted; retries while it is
-        unreachable, for up to resume_timeout_s."""
+        unreachable, for up to resume_timeout_s. Only the request this Submit created is
+        resumed (its owner token): a Submit refused while another request with its id runs
+        finds nothing (NOT_FOUND), never the other request's tokens."""
+        request_id = req.request_id
         deadline = time.monotonic() + self.resume_timeout_s
         delay = 0.1
         logger.info("stream of %s broke at offset %d; resuming", request_id, offset)
+        resume = scheduler_pb2.ResumeRequest(
+            request_id=request_id,
+            from_offset=offset,
+            principal=req.principal,
+            owner_token=req.owner_token,
+        )
         while True:
-            call = self._stub.Resume(
-                scheduler_pb2.ResumeRequest(request_id=request_id, from_offset=offset)
-            )
+            call = self._stub.Resume(resume, metadata=self._metadata)
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as exc:

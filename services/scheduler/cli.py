@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from services.common.config import default_of
+from services.common.security import (
+    add_internal_token_argument,
+    add_tls_arguments,
+    internal_token,
+)
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy, SchedulingMode
 
 
@@ -139,6 +145,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="on stop, write a Chrome/Perfetto trace of every stage to FILE",
     )
+    add_tls_arguments(
+        parser,
+        cert_help="PEM certificate served on the gRPC port and presented to the workers",
+        ca_help="PEM CA: callers need a client certificate it signed, and the workers' "
+        "certificates must chain to it (mutual TLS; needs --tls-cert)",
+        environ=os.environ,
+    )
+    add_internal_token_argument(
+        parser, "file holding the token callers must present and the workers are sent"
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=_default("health_port"),
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
+        "cannot speak TLS) (default: off)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -164,6 +187,12 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         otlp_endpoint=args.otlp_endpoint,
         trace_scheduler=args.trace_scheduler,
         timeline=args.timeline,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        internal_token_file=args.internal_token_file,
+        internal_token=internal_token(args.internal_token_file, os.environ),
+        health_port=args.health_port,
     )
 
 

@@ -125,6 +125,25 @@ class SchedulerConfig:
     timeline: str | None = None
     """File the stages' Chrome/Perfetto trace is written to on stop (`--timeline`)."""
 
+    # -- security (docs/security.md) ------------------------------------------------------
+    tls_cert: str | None = None
+    """PEM certificate served on the port and presented to the workers (`--tls-cert`);
+    None: plaintext."""
+    tls_key: str | None = None
+    """Its private key (`--tls-key`)."""
+    tls_ca: str | None = None
+    """PEM CA (`--tls-ca`): callers must present a client certificate it signed, and the
+    workers' certificates must chain to it (mutual TLS); None: no client certificates."""
+    internal_token_file: str | None = None
+    """File holding the internal token (`--internal-token-file`)."""
+    internal_token: str | None = field(default=None, repr=False)
+    """The internal token: callers must present it, and it is sent to the workers. From
+    --internal-token-file, else CONVEYOR_INTERNAL_TOKEN(_FILE) (read by the CLI); None:
+    callers are not authenticated."""
+    health_port: int | None = None
+    """A plaintext port serving grpc.health.v1 only (`--health-port`), for probes that
+    cannot speak TLS; None: none."""
+
     def __post_init__(self) -> None:
         self.policy = _enum(SchedulerPolicy, self.policy, "policy")
         self.scheduling = _enum(SchedulingMode, self.scheduling, "scheduling")
@@ -146,10 +165,15 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} is out of range: must be > 0 seconds")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"{name}={value} is out of range: must be in [1, 65535]")
+        from services.common.security import check_internal_tls, read_secret
+
+        check_internal_tls(self.tls_cert, self.tls_key, self.tls_ca)
+        if self.internal_token is None and self.internal_token_file:
+            self.internal_token = read_secret(self.internal_token_file, "--internal-token-file")
         for address in self.workers:
             if ":" not in address:
                 raise ConfigError(f"worker address {address!r} must be HOST:PORT")

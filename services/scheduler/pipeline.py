@@ -16,6 +16,7 @@ import grpc
 
 from services.common.errors import PipelineUnavailable
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.security import ClientSecurity
 from services.scheduler.config import PipelineInfo
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,13 @@ class PipelineBroken(Exception):
 class Pipeline:
     """Channels to every stage and the Run streams of the current session."""
 
-    def __init__(self, addresses: list[str]):
+    def __init__(self, addresses: list[str], security: ClientSecurity | None = None):
         self.addresses = addresses
+        self.security = security or ClientSecurity()
+        """TLS to the workers and the internal token every call presents."""
+        self._metadata = self.security.with_metadata(None)
         self._channels = [
-            grpc.aio.insecure_channel(a, options=[("grpc.max_send_message_length", 64 << 20)])
+            self.security.channel(a, options=[("grpc.max_send_message_length", 64 << 20)])
             for a in addresses
         ]
         self._stubs = [worker_pb2_grpc.StageWorkerStub(c) for c in self._channels]
@@ -81,7 +85,10 @@ class Pipeline:
     async def describe(self, timeout_s: float = 2.0) -> PipelineInfo:
         """Asks every stage; raises PipelineUnavailable naming the stages not ready."""
         replies = await asyncio.gather(
-            *[s.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s) for s in self._stubs],
+            *[
+                s.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, metadata=self._metadata)
+                for s in self._stubs
+            ],
             return_exceptions=True,
         )
         problems = []
@@ -146,7 +153,7 @@ class Pipeline:
         """Starts a session: one Run stream per stage, all with one fresh epoch."""
         await self.close()
         self.epoch = time.time_ns()
-        metadata = (("conveyor-epoch", str(self.epoch)),)
+        metadata = self.security.with_metadata((("conveyor-epoch", str(self.epoch)),))
         self.reports = asyncio.Queue()
         self._calls = [run(metadata=metadata) for run in self._run]
         last = len(self._calls) - 1
@@ -190,7 +197,9 @@ class Pipeline:
     async def timelines(self, include_steps: bool = False, reset: bool = False):
         """Every stage's Timeline (stage order); raises grpc errors for a stage that is gone."""
         request = worker_pb2.GetTimelineRequest(include_steps=include_steps, reset=reset)
-        return await asyncio.gather(*[s.GetTimeline(request, timeout=10) for s in self._stubs])
+        return await asyncio.gather(
+            *[s.GetTimeline(request, timeout=10, metadata=self._metadata) for s in self._stubs]
+        )
 
     async def shutdown(self) -> None:
         await self.close()

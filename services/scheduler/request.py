@@ -99,8 +99,10 @@ class Request:
     """The tenant's share under the `fair` policy (2.0 gets twice the tokens of 1.0)."""
     eos_token_id: int | None = None
     extra_key: str | None = None
-    """Namespace of the prefix cache (e.g. a LoRA adapter): equal prefixes with different
-    keys never share blocks."""
+    """Namespace of the prefix cache (the tenant's salt, see `cache_salt`): equal prefixes
+    with different keys never share blocks."""
+    owner_token: str = field(default="", repr=False)
+    """The secret its Submit carried: Resume and Abort must present it (ownership.py)."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     fail_reason: str | None = None
@@ -118,6 +120,8 @@ class Request:
     num_tokens_on_workers: int | None = field(default=None, init=False)
     """Tokens the workers were sent (sync mode deltas); None while workers do not hold it."""
     num_preemptions: int = field(default=0, init=False)
+    num_cached_tokens: int | None = field(default=None, init=False)
+    """Prompt tokens found in the prefix cache when it was first scheduled (usage)."""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -147,6 +151,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @staticmethod
+    def cache_salt(tenant: str) -> str:
+        """The prefix-cache namespace of a tenant: blocks are shared within it, never across
+        tenants (a first token that comes back fast must not tell one tenant what another
+        sent)."""
+        return f"tenant:{tenant}"
 
     def transition(self, new_status: RequestStatus, reason: str | None = None) -> None:
         """Move to `new_status`; raise `InvalidTransition` when the two are not connected."""

@@ -315,6 +315,8 @@ class Scheduler:
             )
             request.transition(RequestStatus.RUNNING)
             self.outputs.record_state(request)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             request.num_computed_tokens = num_cached
             request.num_tokens_on_workers = request.num_tokens
             plan.new_requests.append(

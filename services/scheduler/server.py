@@ -12,6 +12,7 @@ from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.serving import GrpcServer
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.ownership import request_key
 from services.scheduler.pipeline import Pipeline
 from services.scheduler.service import SchedulerService
 from services.scheduler.state import TokenDelta
@@ -27,6 +28,7 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
         offset=delta.offset,
         token_ids=delta.token_ids,
         finish_reason=FINISH_TO_PB[delta.finish_reason],
+        num_cached_tokens=delta.num_cached_tokens,
     )
     if delta.error:
         msg.error = delta.error
@@ -44,14 +46,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         traceparent = None
         if self.service.observer is not None:
             traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
+        key = request_key(request.principal, request.request_id)
         queue = self.service.submit(
-            request.request_id,
+            key,
             list(request.prompt_token_ids),
             sampling,
             priority=request.priority,
             tenant=request.tenant,
             weight=request.weight,
             traceparent=traceparent,
+            owner_token=request.owner_token,
         )
         try:
             first = True
@@ -65,13 +69,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if delta.finish_reason is not None:
                     return
         finally:
-            self.service.unsubscribe(request.request_id, queue)
+            self.service.unsubscribe(key, queue)
 
     async def Abort(self, request, context):
-        return scheduler_pb2.AbortResponse(aborted=self.service.abort(request.request_id))
+        key = request_key(request.principal, request.request_id)
+        return scheduler_pb2.AbortResponse(aborted=self.service.abort(key, request.owner_token))
 
     async def Resume(self, request, context):
-        async for delta in self.service.resume(request.request_id, request.from_offset):
+        key = request_key(request.principal, request.request_id)
+        async for delta in self.service.resume(key, request.from_offset, request.owner_token):
             yield delta_to_pb(delta)
 
     async def GetStats(self, request, context):
@@ -118,6 +124,7 @@ async def serve(config: SchedulerConfig) -> int:
     recovers every request from Redis), else 0."""
     from services.common.redis_auth import redis_connection_kwargs
     from services.common.redis_server import RedisServer
+    from services.common.security import internal_client, internal_server_security
     from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
     from services.scheduler.timeline import write_chrome_trace
@@ -131,12 +138,25 @@ async def serve(config: SchedulerConfig) -> int:
     store = RedisStateStore(
         redis_url, finished_ttl_s=config.finished_ttl_s, **redis_connection_kwargs(os.environ)
     )
-    pipeline = Pipeline(config.workers)
+    security = internal_server_security(
+        config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
+    )
+    to_workers = internal_client(
+        config.tls_ca, config.tls_cert, config.tls_key, config.internal_token
+    )
+    pipeline = Pipeline(config.workers, to_workers)
     service = SchedulerService(config, pipeline, store)
     close_observers = install_observers(
         service, store, config.metrics_port, config.otlp_endpoint, config.trace_scheduler
     )
-    server = GrpcServer("scheduler", config.host, config.port, [SERVICE_NAME])
+    server = GrpcServer(
+        "scheduler",
+        config.host,
+        config.port,
+        [SERVICE_NAME],
+        security=security,
+        health_port=config.health_port,
+    )
     server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(service))
     await server.start()
     service.on_serving_change(lambda serving: asyncio.ensure_future(server.set_serving(serving)))

@@ -39,6 +39,7 @@ from services.common.pb import plan_to_pb, result_from_report
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.ownership import Tombstones, is_owner
 from services.scheduler.pipeline import (
     Pipeline,
     PipelineBroken,
@@ -103,6 +104,7 @@ class SchedulerService:
         self._reaper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._subscribers: dict[str, list[asyncio.Queue]] = {}
+        self._tombstones = Tombstones()
         self._wake = asyncio.Event()
         self._inflight = 0
         self._task: asyncio.Task | None = None
@@ -179,10 +181,18 @@ class SchedulerService:
         tenant: str = "",
         weight: float = 0.0,
         traceparent: str | None = None,
+        owner_token: str = "",
     ) -> asyncio.Queue:
         """Queues a request; returns the queue its deltas arrive on. Raises the core's
         errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError). `traceparent`
-        (W3C) names the router's span, the parent of this request's span."""
+        (W3C) names the router's span, the parent of this request's span. `request_id` is
+        the namespaced key (ownership.request_key); an abort of it with `owner_token` that
+        came first makes the queue end at once with "abort", and nothing runs."""
+        if self._tombstones.take(request_id, owner_token):
+            logger.info("%s was aborted before its Submit arrived: not queued", request_id)
+            queue: asyncio.Queue = asyncio.Queue()
+            queue.put_nowait(TokenDelta(request_id, [], 0, "abort"))
+            return queue
         if not self.serving or self.scheduler is None:
             raise PipelineUnavailable(
                 f"the scheduler is not serving ({self.not_serving_reason}): retry in a few seconds"
@@ -191,14 +201,17 @@ class SchedulerService:
             # A fixed seed makes recompute after preemption or a restart reproduce the tokens.
             sampling.seed = random.getrandbits(63)
         eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
+        tenant = tenant or "default"
         request = Request(
             request_id,
             list(prompt_token_ids),
             sampling,
             priority=priority,
-            tenant=tenant or "default",
+            tenant=tenant,
             weight=weight or 1.0,
             eos_token_id=eos,
+            extra_key=Request.cache_salt(tenant),
+            owner_token=owner_token,
         )
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add_request(request)
@@ -218,10 +231,15 @@ class SchedulerService:
                 if self.scheduler is not None and request_id in self.scheduler.requests:
                     self._orphaned_at[request_id] = time.monotonic()
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts an unfinished request; False when it is unknown or already finished."""
+    def abort(self, request_id: str, owner_token: str = "") -> bool:
+        """Aborts an unfinished request submitted with `owner_token`; False when it is unknown,
+        already finished or someone else's. An abort of an unknown request is remembered: if
+        its Submit arrives after all, it is aborted on arrival."""
         request = self.scheduler.requests.get(request_id) if self.scheduler else None
         if request is None:
+            self._tombstones.add(request_id, owner_token)
+            return False
+        if not is_owner(request.owner_token, owner_token):
             return False
         try:
             self.scheduler.abort_request(request_id)
@@ -244,10 +262,20 @@ class SchedulerService:
         self._orphaned_at.pop(request_id, None)
         return queue
 
-    async def resume(self, request_id: str, offset: int = 0) -> AsyncIterator[TokenDelta]:
+    async def resume(
+        self, request_id: str, offset: int = 0, owner_token: str = ""
+    ) -> AsyncIterator[TokenDelta]:
         """A request's tokens from `offset` on: what the store holds, then the live ones
         until it finishes (a router whose stream broke picks up where it was). Raises
-        `UnknownRequest` when the request is neither here nor in the store."""
+        `UnknownRequest` when the request is neither here nor in the store, or was submitted
+        with another owner token (the same answer: ids cannot be probed)."""
+        request = self.scheduler.requests.get(request_id) if self.scheduler else None
+        if request is not None:
+            owner = request.owner_token
+        else:
+            owner = await asyncio.to_thread(self.store.read_owner_token, request_id)
+        if owner is None or not is_owner(owner, owner_token):
+            raise UnknownRequest(f"request {request_id} is not known (or expired)")
         queue = self.attach(request_id)  # attach first: no token slips in between
         try:
             try:

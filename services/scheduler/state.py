@@ -25,6 +25,8 @@ class TokenDelta:
     logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     """Why the request failed (finish reason `error`)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
 
 
 @dataclass(slots=True)
@@ -68,3 +70,7 @@ class StateStore(Protocol):
 
     def read_tokens(self, request_id: str, offset: int = 0) -> list[int]:
         """A request's output tokens from `offset` on (a broken stream resumes there)."""
+
+    def read_owner_token(self, request_id: str) -> str | None:
+        """The owner token a request was submitted with ("" for one stored before owner
+        tokens existed); None when the request is unknown or expired."""

@@ -284,6 +284,10 @@ class RedisStateStore:
         tokens = self._execute_one(lambda c: c.lrange(tokens_key(request_id), offset, -1))
         return [int(t) for t in tokens]
 
+    def read_owner_token(self, request_id: str) -> str | None:
+        spec = self._execute_one(lambda c: c.hget(meta_key(request_id), "spec"))
+        return json.loads(spec).get("owner_token", "") if spec else None
+
     def read_state(self, request_id: str) -> RequestStatus | None:
         state = self._execute_one(lambda c: c.hget(meta_key(request_id), "state"))
         return RequestStatus(state.decode()) if state else None
@@ -367,6 +371,7 @@ def _encode_meta(request: Request) -> dict[str, bytes | str]:
         "weight": request.weight,
         "eos_token_id": request.eos_token_id,
         "extra_key": request.extra_key,
+        "owner_token": request.owner_token,
     }
     return {
         "prompt": array("I", request.prompt_token_ids).tobytes(),

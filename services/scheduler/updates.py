@@ -69,7 +69,11 @@ class StepOutputs:
         delta = self._deltas.get(request.request_id)
         if delta is None:
             delta = self._deltas[request.request_id] = TokenDelta(
-                request.request_id, [], offset, logprobs=[]
+                request.request_id,
+                [],
+                offset,
+                logprobs=[],
+                num_cached_tokens=request.num_cached_tokens or 0,
             )
         delta.token_ids.append(token_id)
         delta.logprobs.append(logprobs)

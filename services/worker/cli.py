@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.config import default_of
+    from services.common.security import add_internal_token_argument, add_tls_arguments
     from services.worker.config import DEVICES, WorkerConfig
 
     def default(name: str):
@@ -94,10 +96,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="export OpenTelemetry spans: http://HOST:4317, grpc://HOST:PORT or "
         "file:///PATH (JSON lines) (default: off)",
     )
+    add_tls_arguments(
+        parser,
+        cert_help="PEM certificate served on the gRPC port",
+        ca_help="PEM CA: callers need a client certificate it signed (mutual TLS; needs "
+        "--tls-cert)",
+        environ=os.environ,
+    )
+    add_internal_token_argument(
+        parser, "file holding the token callers must present; it also signs the rendezvous"
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=default("health_port"),
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
+        "cannot speak TLS) (default: off)",
+    )
 
 
 def build_config(args: argparse.Namespace):
     from services.common.affinity import parse_cpu_list
+    from services.common.security import internal_token
     from services.worker.config import WorkerConfig
 
     return WorkerConfig(
@@ -120,6 +140,12 @@ def build_config(args: argparse.Namespace):
         seed=args.seed,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        internal_token_file=args.internal_token_file,
+        internal_token=internal_token(args.internal_token_file, os.environ),
+        health_port=args.health_port,
     )
 
 

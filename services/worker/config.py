@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads
 from services.common.config import parse_addr
@@ -65,6 +65,22 @@ class WorkerConfig:
     """`--metrics-port`: Prometheus endpoint port; None: no metrics."""
     otlp_endpoint: str | None = None
     """`--otlp-endpoint`: where spans go; None: no tracing."""
+    tls_cert: str | None = None
+    """`--tls-cert`: PEM certificate served on the gRPC port; None: plaintext."""
+    tls_key: str | None = None
+    """`--tls-key`: its private key."""
+    tls_ca: str | None = None
+    """`--tls-ca`: callers (the scheduler, operators) need a client certificate this CA
+    signed (mutual TLS); None: none asked."""
+    internal_token_file: str | None = None
+    """`--internal-token-file`: file holding the internal token."""
+    internal_token: str | None = field(default=None, repr=False)
+    """The internal token: callers must present it, and it signs the rendezvous. From
+    --internal-token-file, else CONVEYOR_INTERNAL_TOKEN(_FILE) (read by the CLI); None:
+    callers are not authenticated."""
+    health_port: int | None = None
+    """`--health-port`: a plaintext port serving grpc.health.v1 only (probes that cannot
+    speak TLS); None: none."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -98,11 +114,16 @@ class WorkerConfig:
             raise ConfigError(f"num_threads={self.num_threads} must be >= 1")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported: use one of {DEVICES}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"{name}={value} is out of range: must be in [1, 65535]")
         parse_addr(self.dist_addr, "--dist-addr")
+        from services.common.security import check_internal_tls, read_secret
+
+        check_internal_tls(self.tls_cert, self.tls_key, self.tls_ca)
+        if self.internal_token is None and self.internal_token_file:
+            self.internal_token = read_secret(self.internal_token_file, "--internal-token-file")
         if self.otlp_endpoint:
             from services.common.telemetry import check_endpoint
 

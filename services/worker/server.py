@@ -175,6 +175,7 @@ async def serve(config: WorkerConfig) -> None:
     """Loads the stage, serves it until SIGTERM/SIGINT, then drains gracefully."""
     import torch
 
+    from services.common.security import internal_server_security
     from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
@@ -184,6 +185,10 @@ async def serve(config: WorkerConfig) -> None:
         config.port,
         [_SERVICE],
         options=[("grpc.max_receive_message_length", 64 << 20)],
+        security=internal_server_security(
+            config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
+        ),
+        health_port=config.health_port,
     )
     model_name = Path(config.model_dir).name
     servicer = StageWorkerServicer(config.stage_index, config.num_stages, model_name)
@@ -195,7 +200,12 @@ async def serve(config: WorkerConfig) -> None:
     logger.info("stage %d/%d: loading %s", config.stage_index, config.num_stages, config.model_dir)
     runner = await asyncio.to_thread(StageRunner.from_config, config)
     transport = StageTransport(
-        config.stage_index, config.num_stages, config.dist_addr, torch.device(config.device)
+        config.stage_index,
+        config.num_stages,
+        config.dist_addr,
+        torch.device(config.device),
+        bind_host=config.host,
+        secret=config.internal_token,
     )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings

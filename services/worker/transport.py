@@ -12,12 +12,22 @@ group), so a session whose peer died can be abandoned, and a fresh one formed wi
 restarted stage, while a thread of the old one may still sit in a wait (that wait ends when
 the peer's socket closes or after `op_timeout_s`). Sends are kept and checked lazily: a stage
 never blocks on a slow receiver.
+
+The rendezvous (a `TCPStore` hosted by stage 0) listens on the --dist-addr host only (all
+interfaces only when that is a wildcard), and gloo's own sockets on the worker's --host when it
+is a specific address. With an internal token, each session's keys live under a namespace
+derived from it and every value is signed with it (`SignedStore`): a process that reaches the
+store without the token cannot plant an address for a stage. It can still read the keys, and
+the activations themselves travel unauthenticated and unencrypted (docs/security.md).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
+import socket
 from collections import deque
 from typing import Protocol
 
@@ -72,6 +82,82 @@ class Transport(Protocol):
         compute thread of `StageEngine` calls it once per session."""
 
 
+class SignedStore(dist.Store):
+    """A rendezvous store whose values carry an HMAC of the internal token: a value written by
+    anyone without the token fails `get` (the session does not form) instead of pointing a
+    stage at a stranger's address."""
+
+    def __init__(self, inner: dist.Store, secret: bytes):
+        super().__init__()
+        self._inner, self._secret = inner, secret
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, self._mac(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        blob = bytes(self._inner.get(key))
+        mac, value = blob[:32], blob[32:]
+        if not hmac.compare_digest(mac, self._mac(key, value)):
+            raise RuntimeError(
+                f"rendezvous key {key!r} holds a value not signed with this pipeline's internal "
+                "token: another process wrote it (or the stages were given different tokens)"
+            )
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def wait(self, keys, timeout=None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def check(self, keys) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+
+def session_prefix(epoch: int, secret: str | None) -> str:
+    """The rendezvous keys' namespace of one session: derived from the internal token when
+    there is one, so that a process without it cannot compute the next session's keys."""
+    if secret is None:
+        return f"pipeline/{epoch}"
+    digest = hmac.new(secret.encode(), str(epoch).encode(), hashlib.sha256).hexdigest()
+    return f"pipeline/{digest[:32]}"
+
+
+def listen_socket(host: str, port: int) -> socket.socket | None:
+    """A listening socket on `host` for the store to serve on; None for a wildcard host (or
+    one that does not resolve yet): then the store listens on every interface."""
+    if host in ("", "0.0.0.0", "::", "*"):
+        return None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        logger.warning(
+            "cannot resolve %s (%s): the rendezvous listens on every interface", host, exc
+        )
+        return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(128)
+    return sock
+
+
 class StageTransport:
     """Forms one `PipelineLink` per session for this stage (a `Transport`)."""
 
@@ -83,7 +169,15 @@ class StageTransport:
         device: torch.device,
         rendezvous_timeout_s: float = 60.0,
         op_timeout_s: float = 120.0,
+        bind_host: str | None = None,
+        secret: str | None = None,
     ):
+        """
+        Args:
+            bind_host: the address gloo's sockets listen on (the worker's --host when it is
+                a specific address); None: the one this machine's hostname resolves to.
+            secret: the internal token; None: plain keys and values (docs/security.md).
+        """
         self.stage = stage
         self.num_stages = num_stages
         self.device = device
@@ -91,6 +185,9 @@ class StageTransport:
         self._rendezvous_timeout = datetime.timedelta(seconds=rendezvous_timeout_s)
         self._op_timeout = datetime.timedelta(seconds=op_timeout_s)
         self._master_store: dist.TCPStore | None = None
+        self._listener: socket.socket | None = None  # kept open: the store serves on it
+        self._bind_host = listen_socket_host(bind_host) if bind_host else None
+        self._secret = secret
 
     @property
     def is_first(self) -> bool:
@@ -113,6 +210,7 @@ class StageTransport:
         host, port = parse_addr(self._dist_addr, "--dist-addr")
         if self.is_first:
             if self._master_store is None:
+                self._listener = listen_socket(host, port)
                 self._master_store = dist.TCPStore(
                     host,
                     port,
@@ -120,13 +218,16 @@ class StageTransport:
                     is_master=True,
                     timeout=self._rendezvous_timeout,
                     wait_for_workers=False,
+                    master_listen_fd=self._listener.fileno() if self._listener else None,
                 )
             store = self._master_store
         else:
             store = dist.TCPStore(
                 host, port, self.num_stages, is_master=False, timeout=self._rendezvous_timeout
             )
-        prefix = dist.PrefixStore(f"pipeline/{epoch}", store)
+        prefix = dist.PrefixStore(session_prefix(epoch, self._secret), store)
+        if self._secret is not None:
+            prefix = SignedStore(prefix, self._secret.encode())
         logger.info(
             "stage %d/%d joining the pipeline at %s (epoch %d)",
             self.stage,
@@ -136,9 +237,21 @@ class StageTransport:
         )
         if self.device.type == "cuda":
             group = dist.ProcessGroupNCCL(prefix, self.stage, self.num_stages)
+        elif self._bind_host is not None:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._bind_host)]
+            options._timeout = self._op_timeout
+            group = dist.ProcessGroupGloo(prefix, self.stage, self.num_stages, options)
         else:
             group = dist.ProcessGroupGloo(prefix, self.stage, self.num_stages, self._op_timeout)
         return PipelineLink(self.stage, self.num_stages, self.device, group)
+
+
+def listen_socket_host(host: str) -> str | None:
+    """`host` as gloo's bind address: None for a wildcard (gloo then takes the address this
+    machine's hostname resolves to)."""
+    host = host.strip("[]")
+    return None if host in ("", "0.0.0.0", "::", "*") else host
 
 
 class PipelineLink:

@@ -258,7 +258,7 @@ def test_external_redis_uses_its_secret_and_needs_one():
         "--set",
         "redis.auth.existingSecret=infra-redis",
     )
-    assert find(docs, "StatefulSet", "redis") == [] and find(docs, "Secret") == []
+    assert find(docs, "StatefulSet", "redis") == [] and find(docs, "Secret", "redis") == []
     (scheduler,) = containers(one(docs, "Deployment", "scheduler"))
     assert flags(container_argv(scheduler))["--redis-url"] == "redis://redis.infra:6379/0"
     (password_env,) = [e for e in scheduler["env"] if e["name"] == "CONVEYOR_REDIS_PASSWORD"]

@@ -176,12 +176,13 @@ def test_e2e_cancel_frees_blocks(conveyor_stack, client):
     for index, _ in enumerate(stream):
         if index == 2:
             break
-    assert "e2e-cancel" in _stats(conveyor_stack).request_blocks
+    key = "anonymous/e2e-cancel"  # the scheduler's id: principal/request id
+    assert key in _stats(conveyor_stack).request_blocks
     stream.close()
 
     def freed():
         stats = _stats(conveyor_stack)
-        return "e2e-cancel" not in stats.request_blocks and stats.num_running == 0
+        return key not in stats.request_blocks and stats.num_running == 0
 
     wait_until(freed, timeout_s=60, what="the cancelled request's blocks to be freed")
 

@@ -14,11 +14,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from services.common.process import child_env
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.redis_server import RedisServer, free_port
+from services.common.security import ClientSecurity
 from services.launcher import wait_serving
 
 _ids = itertools.count()
@@ -44,7 +43,10 @@ class ProcessStack:
         worker_args: list[str] | None = None,
         scheduler_args: list[str] | None = None,
         redis_url: str | None = None,
+        security: ClientSecurity | None = None,
     ):
+        """`security`: how this harness reaches the scheduler (TLS, internal token) when the
+        worker and scheduler args turn credentials on."""
         self.model_dir, self.stages, self.scheduling = str(model_dir), stages, scheduling
         self.kv_cache_memory = kv_cache_memory
         self.worker_args = ["--max-model-len", str(max_model_len), *(worker_args or [])]
@@ -57,6 +59,7 @@ class ProcessStack:
         self.workers: list[subprocess.Popen | None] = [None] * stages
         self.scheduler: subprocess.Popen | None = None
         self._channel = None
+        self.security = security or ClientSecurity()
 
     @property
     def address(self) -> str:
@@ -114,7 +117,7 @@ class ProcessStack:
                 if proc is not None and proc.poll() is not None:
                     raise RuntimeError(f"worker {stage} exited with {proc.returncode}")
             try:
-                wait_serving(self.address, 2.0, self.scheduler)
+                wait_serving(self.address, 2.0, self.scheduler, security=self.security)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
@@ -148,7 +151,7 @@ class ProcessStack:
     @property
     def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = self.security.sync_channel(self.address)
         return scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def close_channel(self) -> None:
@@ -164,7 +167,8 @@ class ProcessStack:
             sampling=common_pb2.SamplingParams(**sampling),
         )
         outcome = Outcome([], 0)
-        for delta in self.stub.Submit(request, timeout=300):
+        metadata = self.security.with_metadata(None)
+        for delta in self.stub.Submit(request, timeout=300, metadata=metadata):
             assert delta.offset == len(outcome.token_ids), "a delta skipped or repeated tokens"
             outcome.token_ids.extend(delta.token_ids)
             outcome.offsets.append(delta.offset)
@@ -189,7 +193,8 @@ class ProcessStack:
             return list(pool.map(run, range(len(prompts))))
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
-        return self.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+        metadata = self.security.with_metadata(None)
+        return self.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30, metadata=metadata)
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:

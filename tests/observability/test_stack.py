@@ -143,7 +143,8 @@ def test_one_request_is_one_trace_across_processes(observed_stack):
     assert request["attributes"]["conveyor.finish_reason"] == "length"
     assert queue["parent_span_id"] == request["span_id"]
     assert all(s["parent_span_id"] == request["span_id"] for s in steps)
-    assert all(rid in s["attributes"]["conveyor.request_ids"] for s in steps)
+    # the scheduler names a request in its principal's namespace (docs/security.md)
+    assert all(f"anonymous/{rid}" in s["attributes"]["conveyor.request_ids"] for s in steps)
     # 4 tokens: a prefill and 3 decodes, each run by every stage
     step_events = [e for e in request["events"] if e["name"] == "step"]
     assert len(step_events) == 4
@@ -160,7 +161,7 @@ def test_event_trace_replays_the_finish_reasons(observed_stack):
         events = [
             e
             for e in read_jsonl(stack.events_path)
-            if e["event"] == "transition" and e["request_id"].startswith(tag)
+            if e["event"] == "transition" and e["request_id"].startswith(f"anonymous/{tag}")
         ]
         finals = [e for e in events if e["to"].startswith("finished")]
         return events if len(finals) == len(seen) else None
@@ -168,14 +169,15 @@ def test_event_trace_replays_the_finish_reasons(observed_stack):
     events = wait_for(transitions)
     finals = sorted(e["to"] for e in events if e["to"].startswith("finished"))
     assert finals == ["finished_aborted"] + ["finished_length"] * 3
-    for rid in seen:  # each request's transitions chain: from = the previous to
-        chain = [e for e in events if e["request_id"] == rid]
+    keys = {f"anonymous/{rid}" for rid in seen}  # the scheduler's ids: principal/request id
+    for key in keys:  # each request's transitions chain: from = the previous to
+        chain = [e for e in events if e["request_id"] == key]
         assert chain[0]["from"] is None and chain[0]["to"] == "waiting"
         for prev, cur in zip(chain, chain[1:], strict=False):
             assert cur["from"] == prev["to"]
     steps = [e for e in read_jsonl(stack.events_path) if e["event"] == "step"]
     planned = {rid for e in steps for rid in e["request_ids"]}
-    assert set(seen) <= planned
+    assert keys <= planned
     for e in steps:
         assert len(e["num_tokens"]) == len(e["request_ids"]) == e["num_new"] + e["num_cached"]
     text = stack.events_path.read_text()

@@ -177,9 +177,11 @@ def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition") -> N
 
 
 class RouterProcess:
-    """`python -m services.cli router ...` on a free port; waits until it is SERVING."""
+    """`python -m services.cli router ...` on a free port; waits until it is SERVING (over TLS
+    with `security`'s CA when the flags turn TLS on)."""
 
-    def __init__(self, scheduler_address: str, model_dir: Path, *extra: str):
+    def __init__(self, scheduler_address: str, model_dir: Path, *extra: str, security=None):
+        self.security = security
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [
@@ -203,7 +205,7 @@ class RouterProcess:
     def wait_serving(self, timeout_s: float = 60.0) -> RouterProcess:
         from services.launcher import wait_serving
 
-        wait_serving(self.address, timeout_s, self.proc)
+        wait_serving(self.address, timeout_s, self.proc, security=self.security)
         return self
 
     def stop(self) -> int:

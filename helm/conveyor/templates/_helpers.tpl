@@ -101,6 +101,70 @@ redis://{{ include "conveyor.fullname" . }}-redis.{{ .Release.Namespace }}.svc.{
       key: {{ .Values.redis.auth.existingSecretPasswordKey }}
 {{- end }}
 
+{{/* The Secret holding the internal token. */}}
+{{- define "conveyor.internalTokenSecretName" -}}
+{{- default (printf "%s-internal-token" (include "conveyor.fullname" .)) .Values.security.internalToken.existingSecret }}
+{{- end }}
+
+{{/* The internal token of every Conveyor service, always from a Secret. */}}
+{{- define "conveyor.internalTokenEnv" -}}
+- name: CONVEYOR_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "conveyor.internalTokenSecretName" . }}
+      key: {{ .Values.security.internalToken.key }}
+{{- end }}
+
+{{- define "conveyor.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "conveyor.fullname" .)) .Values.security.tls.existingSecret }}
+{{- end }}
+
+{{/* TLS and mutual TLS flags of a Conveyor service (the Secret is mounted at /tls). */}}
+{{- define "conveyor.tlsArgs" -}}
+{{- if .Values.security.tls.enabled }}
+- --tls-cert=/tls/tls.crt
+- --tls-key=/tls/tls.key
+- --tls-ca=/tls/ca.crt
+- --health-port={{ .Values.security.tls.healthPort }}
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.tlsVolume" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "conveyor.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.tlsMount" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  mountPath: /tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "conveyor.healthPortSpec" -}}
+{{- if .Values.security.tls.enabled }}
+- name: health
+  containerPort: {{ .Values.security.tls.healthPort }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* The port the probes ask: the gRPC port, or the plaintext health port under TLS:
+include "conveyor.probePort" (list . grpcPort) */}}
+{{- define "conveyor.probePort" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.security.tls.enabled -}}
+{{ $root.Values.security.tls.healthPort }}
+{{- else -}}
+{{ index . 1 }}
+{{- end -}}
+{{- end }}
+
 {{/*
 The model volume and, without an existing claim, the init container that fetches into it.
 */}}

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """Keeps request state in Redis, plans steps and drives the pipeline.
+    """Keeps request state in Redis, plans steps and drives the pipeline. For routers and
+    operators only: with an internal token or mutual TLS configured, every call must present
+    it. A request's id lives in the namespace of its principal, and Resume and Abort act only
+    with the owner_token its Submit carried (docs/security.md).
     """
 
     def __init__(self, channel):
@@ -58,7 +61,10 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """Keeps request state in Redis, plans steps and drives the pipeline.
+    """Keeps request state in Redis, plans steps and drives the pipeline. For routers and
+    operators only: with an internal token or mutual TLS configured, every call must present
+    it. A request's id lives in the namespace of its principal, and Resume and Abort act only
+    with the owner_token its Submit carried (docs/security.md).
     """
 
     def Submit(self, request, context):
@@ -122,7 +128,10 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """Keeps request state in Redis, plans steps and drives the pipeline.
+    """Keeps request state in Redis, plans steps and drives the pipeline. For routers and
+    operators only: with an internal token or mutual TLS configured, every call must present
+    it. A request's id lives in the namespace of its principal, and Resume and Abort act only
+    with the owner_token its Submit carried (docs/security.md).
     """
 
     @staticmethod

@@ -13,6 +13,9 @@ Errors become statuses in one place: `ErrorInterceptor` wraps every method of th
 so servicers and the pure code under them raise the domain exceptions of
 services/common/errors.py and never call `context.abort` themselves. An exception that is
 not a `ConveyorError` is a bug: it is logged with its traceback and answered INTERNAL.
+The interceptor also parses the request messages itself, so that bytes that are not the
+method's message (garbage, invalid UTF-8 in a string field) are INVALID_ARGUMENT, not the
+UNKNOWN grpc answers when its own deserializer fails.
 """
 
 from __future__ import annotations
@@ -86,14 +89,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             (True, True): "stream_stream",
         }[(handler.request_streaming, handler.response_streaming)]
         behaviour = getattr(handler, kind)
-        return handler._replace(**{kind: self._wrap(behaviour, method)})
+        parse = _parser(handler.request_deserializer, handler.request_streaming)
+        # grpc hands the raw bytes on (no deserializer); `parse` turns them into the message
+        wrapped = self._wrap(behaviour, method, parse)
+        return handler._replace(request_deserializer=None, **{kind: wrapped})
 
-    def _wrap(self, behaviour: Callable, method: str) -> Callable:
+    def _wrap(self, behaviour: Callable, method: str, parse: Callable) -> Callable:
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request, context):
                 try:
-                    async for item in behaviour(request, context):
+                    async for item in behaviour(parse(request), context):
                         yield item
                 except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
                     await self._abort(context, exc, method)
@@ -102,7 +108,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def unary(request, context):
             try:
-                return await behaviour(request, context)
+                return await behaviour(parse(request), context)
             except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method)
 
@@ -117,6 +123,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, message_for(exc, self.service))
 
 
+def _parser(deserializer: Callable | None, is_streaming: bool) -> Callable:
+    """request (raw bytes, or an async iterator of them) -> what the servicer expects, with
+    `InvalidRequest` for bytes that are not a valid message."""
+    if deserializer is None:
+        return lambda request: request
+    message_type = getattr(deserializer, "__self__", None)
+    name = getattr(getattr(message_type, "DESCRIPTOR", None), "full_name", "request")
+
+    def parse_one(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, others differ
+            raise errors.InvalidRequest(
+                f"the request is not a valid {name} message ({len(raw)} bytes): "
+                "a string field holds invalid UTF-8, or the bytes are not that message"
+            ) from exc
+
+    if not is_streaming:
+        return parse_one
+
+    async def parse_each(raw_iterator):
+        async for raw in raw_iterator:
+            yield parse_one(raw)
+
+    return parse_each
+
+
 class GrpcServer:
     """A `grpc.aio` server with the standard health service, reflection, the error
     interceptor, SIGTERM handling and a graceful stop."""
@@ -129,6 +162,7 @@ class GrpcServer:
         service_names: Sequence[str],
         options: Sequence[tuple[str, object]] = (),
         reflection_pool=None,
+        max_concurrent_rpcs: int | None = None,
     ):
         """
         Args:
@@ -138,6 +172,8 @@ class GrpcServer:
             options: grpc server options (message size limits).
             reflection_pool: a descriptor pool for reflection (the router's KServe protos
                 live in a private pool); None: the default pool.
+            max_concurrent_rpcs: RPCs served at once; grpc answers one more with
+                RESOURCE_EXHAUSTED. None: no limit.
         """
         self.name = name
         self.address = f"{host}:{port}"
@@ -145,7 +181,11 @@ class GrpcServer:
         # No SO_REUSEPORT: a second process on a taken port is an error, not a silent share
         # of the first one's connections.
         options = [("grpc.so_reuseport", 0), *options]
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(name)], options=options)
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(name)],
+            options=options,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

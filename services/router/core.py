@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING
 from services.common.errors import RequestFailed
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
-from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
+from services.router.request import (
+    GenerateInput,
+    ModelLimits,
+    PreparedRequest,
+    prepare,
+    tokenize_prompt,
+)
 from services.router.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the core itself never imports grpc
@@ -43,9 +49,17 @@ class RouterCore:
     tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created
     _aborts: set[asyncio.Task] = field(default_factory=set)
 
-    def prepare(self, req: GenerateInput) -> PreparedRequest:
-        """Validates and tokenizes; raises InvalidRequest naming the bad field."""
-        return prepare(req, self.tokenizer, self.limits)
+    async def prepare(self, req: GenerateInput) -> PreparedRequest:
+        """Validates and tokenizes; raises InvalidRequest naming the bad field.
+
+        Runs in a worker thread: tokenizing a long prompt (a megabyte takes seconds) must not
+        hold up the other streams on this event loop."""
+        return await asyncio.to_thread(prepare, req, self.tokenizer, self.limits)
+
+    async def tokenize(self, req: GenerateInput) -> list[int]:
+        """The prompt's token ids (Tokenize), validated and computed as `prepare` does."""
+        ids, _ = await asyncio.to_thread(tokenize_prompt, req, self.tokenizer, self.limits)
+        return ids
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[OutputDelta]:
         """Streams the request's output; the last delta has a finish reason and usage.

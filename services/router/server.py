@@ -67,8 +67,14 @@ def build_core(config: RouterConfig) -> RouterCore:
     limits = ModelLimits(
         name=config.model_name,
         max_model_len=config.context_length(),
+        vocab_size=config.vocab_size(),
         max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_bytes=config.max_prompt_bytes,
+        max_json_bytes=config.max_json_bytes,
+        max_json_depth=config.max_json_depth,
+        max_stream_requests=config.max_stream_requests,
+        request=config.request_limits,
     )
     scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s)
     return RouterCore(tokenizer=tokenizer, limits=limits, scheduler=scheduler)
@@ -79,7 +85,13 @@ async def serve(config: RouterConfig) -> None:
     core = build_core(config)
     close_observers = install_observers(core, config)
     server = GrpcServer(
-        "router", config.host, config.port, PUBLIC_SERVICES, reflection_pool=reflection_pool()
+        "router",
+        config.host,
+        config.port,
+        PUBLIC_SERVICES,
+        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
+        reflection_pool=reflection_pool(),
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     server.add(
         generation_pb2_grpc.add_GenerationServicer_to_server, generation.GenerationServicer(core)

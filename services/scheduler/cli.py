@@ -7,6 +7,14 @@ import argparse
 from services.common.config import default_of
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy, SchedulingMode
 
+LIMIT_FLAGS = (  # (flag, SchedulerConfig field, help): what a Submit may carry
+    ("--max-stop-token-ids", "max_stop_token_ids", "most stop token ids per request"),
+    ("--max-logprobs", "max_logprobs", "largest logprobs a request may ask for"),
+    ("--max-tenant-chars", "max_tenant_chars", "longest tenant name"),
+    ("--max-abs-priority", "max_abs_priority", "priority must be in [-N, N]"),
+    ("--max-message-bytes", "max_message_bytes", "largest gRPC request message"),
+)
+
 
 def _default(name: str):
     value = default_of(SchedulerConfig, name)
@@ -139,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="on stop, write a Chrome/Perfetto trace of every stage to FILE",
     )
+    for flag, name, text in LIMIT_FLAGS:
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=int,
+            default=_default(name),
+            help=f"{text} (default: {_default(name)})",
+        )
 
 
 def build_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -164,6 +180,7 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         otlp_endpoint=args.otlp_endpoint,
         trace_scheduler=args.trace_scheduler,
         timeline=args.timeline,
+        **{name: getattr(args, name) for _, name, _ in LIMIT_FLAGS},
     )
 
 

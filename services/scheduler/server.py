@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from services.common.limits import check_request_id
 from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.serving import GrpcServer
@@ -65,9 +66,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.service.unsubscribe(request.request_id, queue)
 
     async def Abort(self, request, context):
+        check_request_id(request.request_id)
         return scheduler_pb2.AbortResponse(aborted=self.service.abort(request.request_id))
 
     async def Resume(self, request, context):
+        check_request_id(request.request_id)
         async for delta in self.service.resume(request.request_id, request.from_offset):
             yield delta_to_pb(delta)
 
@@ -130,7 +133,13 @@ async def serve(config: SchedulerConfig) -> int:
     close_observers = install_observers(
         service, store, config.metrics_port, config.otlp_endpoint, config.trace_scheduler
     )
-    server = GrpcServer("scheduler", config.host, config.port, [SERVICE_NAME])
+    server = GrpcServer(
+        "scheduler",
+        config.host,
+        config.port,
+        [SERVICE_NAME],
+        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
+    )
     server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(service))
     await server.start()
     service.on_serving_change(lambda serving: asyncio.ensure_future(server.set_serving(serving)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequest
@@ -13,9 +14,10 @@ tinier one overflows float32."""
 MAX_TOP_K = 2**31 - 1  # int32 on the wire
 MAX_SEED = 2**64 - 1  # uint64 on the wire
 MAX_UINT32 = 2**32 - 1  # max_tokens, stop_token_ids and logprobs are uint32 on the wire
-FLOAT32_TINY = 1.1754943508222875e-38
-"""Smallest normal float32: the workers compute in float32, where a smaller magnitude is
-subnormal or 0."""
+FLOAT_MIN = sys.float_info.min
+"""Smallest normal double (2.2e-308): a smaller magnitude but 0 (a subnormal) is refused.
+What is normal as a double but tiny in float32 (the workers' logits) is harmless within
+each field's range: temperatures that small mean greedy, penalties are bounded away."""
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -112,12 +114,12 @@ class SamplingParams:
 
 
 def _check_float(name: str, value: float) -> None:
-    """NaN, infinities and magnitudes below float32's smallest normal number are refused."""
+    """NaN, infinities and subnormal numbers are refused."""
     if not math.isfinite(value):
         raise InvalidRequest(f"{name}={value} is not a finite number")
-    if 0.0 < abs(value) < FLOAT32_TINY:
+    if 0.0 < abs(value) < FLOAT_MIN:
         raise InvalidRequest(
-            f"{name}={value!r} is subnormal: use 0 or a magnitude of at least {FLOAT32_TINY:.2g}"
+            f"{name}={value!r} is subnormal: use 0 or a magnitude of at least {FLOAT_MIN:.3g}"
         )
 
 

@@ -19,6 +19,9 @@ Authentication happens there too: before a method runs, the service's `Authentic
 `Principal` that the servicer reads from `services.common.auth.current_principal`, or the
 call ends UNAUTHENTICATED. grpc.health.v1 is exempt (probes); with TLS on, `health_port`
 serves it alone in plaintext, for probes that cannot speak TLS (the kubelet's).
+The interceptor also parses the request messages itself, so that bytes that are not the
+method's message (garbage, invalid UTF-8 in a string field) are INVALID_ARGUMENT, not the
+UNKNOWN grpc answers when its own deserializer fails.
 """
 
 from __future__ import annotations
@@ -99,9 +102,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             (True, True): "stream_stream",
         }[(handler.request_streaming, handler.response_streaming)]
         behaviour = getattr(handler, kind)
-        return handler._replace(**{kind: self._wrap(behaviour, method)})
+        parse = _parser(handler.request_deserializer, handler.request_streaming)
+        # grpc hands the raw bytes on (no deserializer); `parse` turns them into the message
+        wrapped = self._wrap(behaviour, method, parse)
+        return handler._replace(request_deserializer=None, **{kind: wrapped})
 
-    def _wrap(self, behaviour: Callable, method: str) -> Callable:
+    def _wrap(self, behaviour: Callable, method: str, parse: Callable) -> Callable:
         is_exempt = method.startswith(_HEALTH_METHODS)
         if inspect.isasyncgenfunction(behaviour):
 
@@ -109,7 +115,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if not is_exempt:
                         self._authenticate(context, method)
-                    async for item in behaviour(request, context):
+                    async for item in behaviour(parse(request), context):
                         yield item
                 except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
                     await self._abort(context, exc, method)
@@ -120,7 +126,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if not is_exempt:
                     self._authenticate(context, method)
-                return await behaviour(request, context)
+                return await behaviour(parse(request), context)
             except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method)
 
@@ -145,6 +151,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, message_for(exc, self.service))
 
 
+def _parser(deserializer: Callable | None, is_streaming: bool) -> Callable:
+    """request (raw bytes, or an async iterator of them) -> what the servicer expects, with
+    `InvalidRequest` for bytes that are not a valid message."""
+    if deserializer is None:
+        return lambda request: request
+    message_type = getattr(deserializer, "__self__", None)
+    name = getattr(getattr(message_type, "DESCRIPTOR", None), "full_name", "request")
+
+    def parse_one(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, others differ
+            raise errors.InvalidRequest(
+                f"the request is not a valid {name} message ({len(raw)} bytes): "
+                "a string field holds invalid UTF-8, or the bytes are not that message"
+            ) from exc
+
+    if not is_streaming:
+        return parse_one
+
+    async def parse_each(raw_iterator):
+        async for raw in raw_iterator:
+            yield parse_one(raw)
+
+    return parse_each
+
+
 class GrpcServer:
     """A `grpc.aio` server with the standard health service, reflection, the error and
     authentication interceptor, TLS, SIGTERM handling and a graceful stop."""
@@ -159,6 +192,7 @@ class GrpcServer:
         reflection_pool=None,
         security: ServerSecurity | None = None,
         health_port: int | None = None,
+        max_concurrent_rpcs: int | None = None,
     ):
         """
         Args:
@@ -170,6 +204,8 @@ class GrpcServer:
                 live in a private pool); None: the default pool.
             security: TLS and the authenticator of calls; None: plaintext, anyone.
             health_port: a second, plaintext port on `host` serving grpc.health.v1 only.
+            max_concurrent_rpcs: RPCs served at once; grpc answers one more with
+                RESOURCE_EXHAUSTED. None: no limit.
         """
         self.name = name
         self.host = host
@@ -180,7 +216,11 @@ class GrpcServer:
         # of the first one's connections.
         options = [("grpc.so_reuseport", 0), *options]
         interceptor = ErrorInterceptor(name, self.security)
-        self.server = grpc.aio.server(interceptors=[interceptor], options=options)
+        self.server = grpc.aio.server(
+            interceptors=[interceptor],
+            options=options,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health_server = None

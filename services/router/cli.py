@@ -13,6 +13,33 @@ from services.common.security import (
 )
 from services.router.config import DEFAULT_PORT, RouterConfig
 
+LIMIT_FLAGS = (  # (flag, RouterConfig field, help); each default comes from RouterConfig
+    (
+        "--max-prompt-bytes",
+        "max_prompt_bytes",
+        "largest prompt in UTF-8 bytes, checked before tokenizing",
+    ),
+    ("--max-stop-strings", "max_stop_strings", "most stop strings per request"),
+    ("--max-stop-string-chars", "max_stop_string_chars", "longest stop string, in characters"),
+    ("--max-stop-token-ids", "max_stop_token_ids", "most stop token ids per request"),
+    ("--max-logprobs", "max_logprobs", "largest logprobs a request may ask for"),
+    ("--max-tenant-chars", "max_tenant_chars", "longest tenant name"),
+    ("--max-abs-priority", "max_abs_priority", "priority must be in [-N, N]"),
+    ("--max-json-bytes", "max_json_bytes", "largest KServe sampling_parameters JSON"),
+    ("--max-json-depth", "max_json_depth", "deepest KServe sampling_parameters JSON"),
+    ("--max-message-bytes", "max_message_bytes", "largest gRPC request message"),
+    (
+        "--max-concurrent-rpcs",
+        "max_concurrent_rpcs",
+        "RPCs served at once; more are RESOURCE_EXHAUSTED",
+    ),
+    (
+        "--max-stream-requests",
+        "max_stream_requests",
+        "requests running at once on one KServe ModelStreamInfer stream",
+    ),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, help="scheduler address HOST:PORT")
@@ -82,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    for flag, name, text in LIMIT_FLAGS:
+        default = default_of(RouterConfig, name)
+        parser.add_argument(
+            flag, dest=name, type=int, default=default, help=f"{text} (default: {default})"
+        )
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
@@ -103,6 +135,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         internal_token_file=args.internal_token_file,
         internal_token=internal_token(args.internal_token_file, os.environ),
         health_port=args.health_port,
+        **{name: getattr(args, name) for _, name, _ in LIMIT_FLAGS},
     )
 
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import limits
 from services.common.errors import ConfigError
 
 DEFAULT_PORT = 50051
@@ -32,9 +33,33 @@ class RouterConfig:
     health_interval_s: float = 1.0
     """How often the scheduler's health is polled."""
     max_stop_strings: int = 16
-    """Most stop strings one request may carry."""
+    """Most stop strings one request may carry (`--max-stop-strings`)."""
     max_stop_string_chars: int = 256
-    """Longest stop string, in characters."""
+    """Longest stop string, in characters (`--max-stop-string-chars`)."""
+    max_prompt_bytes: int = 1 << 20
+    """Largest prompt in UTF-8 bytes (text, or a chat's roles and contents), checked before
+    the tokenizer runs (`--max-prompt-bytes`)."""
+    max_stop_token_ids: int = limits.DEFAULT_MAX_STOP_TOKEN_IDS
+    """Most stop token ids one request may carry (`--max-stop-token-ids`)."""
+    max_logprobs: int = limits.DEFAULT_MAX_LOGPROBS
+    """Largest `logprobs` a request may ask for (`--max-logprobs`)."""
+    max_tenant_chars: int = limits.DEFAULT_MAX_TENANT_CHARS
+    """Longest tenant name (`--max-tenant-chars`)."""
+    max_abs_priority: int = limits.DEFAULT_MAX_ABS_PRIORITY
+    """Priority must be in [-N, N] (`--max-abs-priority`)."""
+    max_json_bytes: int = 64 << 10
+    """Largest KServe `sampling_parameters` JSON, in bytes (`--max-json-bytes`)."""
+    max_json_depth: int = 16
+    """Deepest nesting of KServe `sampling_parameters` JSON (`--max-json-depth`)."""
+    max_message_bytes: int = limits.DEFAULT_MAX_MESSAGE_BYTES
+    """Largest gRPC request message; a larger one is RESOURCE_EXHAUSTED
+    (`--max-message-bytes`)."""
+    max_concurrent_rpcs: int = 1024
+    """RPCs served at once (streams included, health checks too); one more is
+    RESOURCE_EXHAUSTED (`--max-concurrent-rpcs`)."""
+    max_stream_requests: int = 64
+    """Requests running at once on one KServe ModelStreamInfer stream; it also bounds the
+    stream's response queue (`--max-stream-requests`)."""
     metrics_port: int | None = None
     """Port of the Prometheus endpoint (`--metrics-port`); None: no metrics."""
     otlp_endpoint: str | None = None
@@ -93,11 +118,56 @@ class RouterConfig:
             raise ConfigError("--served-model-name must not be empty")
         if self.resume_timeout_s < 0 or self.health_interval_s <= 0:
             raise ConfigError("resume timeout must be >= 0 and health interval > 0 seconds")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        for flag, value, low, high in (
+            ("--max-stop-strings", self.max_stop_strings, 0, None),
+            ("--max-stop-string-chars", self.max_stop_string_chars, 1, None),
+            ("--max-prompt-bytes", self.max_prompt_bytes, 1, None),
+            ("--max-stop-token-ids", self.max_stop_token_ids, 0, None),
+            ("--max-logprobs", self.max_logprobs, 0, None),
+            ("--max-tenant-chars", self.max_tenant_chars, 1, None),
+            ("--max-abs-priority", self.max_abs_priority, 0, 2**31 - 1),
+            ("--max-json-bytes", self.max_json_bytes, 2, None),
+            # json's parser recurses once per level: stay well inside Python's stack
+            ("--max-json-depth", self.max_json_depth, 1, 256),
+            ("--max-message-bytes", self.max_message_bytes, limits.MIN_MESSAGE_BYTES, 2**31 - 1),
+            ("--max-concurrent-rpcs", self.max_concurrent_rpcs, 1, None),
+            ("--max-stream-requests", self.max_stream_requests, 1, None),
+        ):
+            if not isinstance(value, int) or value < low or (high is not None and value > high):
+                allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise ConfigError(f"{flag}={value!r} is out of range: must be an integer {allowed}")
+
+    @property
+    def request_limits(self) -> limits.RequestLimits:
+        """The limits the scheduler enforces too (flags of the same names)."""
+        return limits.RequestLimits(
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_logprobs=self.max_logprobs,
+            max_tenant_chars=self.max_tenant_chars,
+            max_abs_priority=self.max_abs_priority,
+        )
 
     @property
     def model_name(self) -> str:
         """The served model name."""
         return self.served_model_name or Path(self.model_dir).resolve().name
+
+    def vocab_size(self) -> int:
+        """The model's embedding rows (config.json `vocab_size`): token ids must be below it.
+        The tokenizer's vocabulary may be smaller or larger."""
+        path = Path(self.model_dir) / "config.json"
+        try:
+            value = int(json.loads(path.read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"cannot read vocab_size from {path} ({exc}): the workers need it too"
+            ) from exc
+        if value < 1:
+            raise ConfigError(f"{path}: vocab_size={value} must be >= 1")
+        return value
 
     def context_length(self) -> int:
         """--max-model-len, else max_position_embeddings from the model's config.json."""

@@ -21,7 +21,13 @@ from services.common.auth import ANONYMOUS_PRINCIPAL, Principal
 from services.common.errors import PermissionDenied, RequestFailed
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
-from services.router.request import GenerateInput, ModelLimits, PreparedRequest, prepare
+from services.router.request import (
+    GenerateInput,
+    ModelLimits,
+    PreparedRequest,
+    prepare,
+    tokenize_prompt,
+)
 from services.router.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the core itself never imports grpc
@@ -44,15 +50,23 @@ class RouterCore:
     tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created
     _aborts: set[asyncio.Task] = field(default_factory=set)
 
-    def prepare(
+    async def prepare(
         self, req: GenerateInput, principal: Principal = ANONYMOUS_PRINCIPAL
     ) -> PreparedRequest:
         """Validates and tokenizes a request of `principal`; raises InvalidRequest naming
-        the bad field, PermissionDenied for a tenant that is not the principal's."""
+        the bad field, PermissionDenied for a tenant that is not the principal's.
+
+        Runs in a worker thread: tokenizing a long prompt (a megabyte takes seconds) must not
+        hold up the other streams on this event loop."""
         apply_principal(req, principal)
-        prepared = prepare(req, self.tokenizer, self.limits)
+        prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.limits)
         prepared.principal = principal.name
         return prepared
+
+    async def tokenize(self, req: GenerateInput) -> list[int]:
+        """The prompt's token ids (Tokenize), validated and computed as `prepare` does."""
+        ids, _ = await asyncio.to_thread(tokenize_prompt, req, self.tokenizer, self.limits)
+        return ids
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[OutputDelta]:
         """Streams the request's output; the last delta has a finish reason and usage.

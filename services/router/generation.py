@@ -11,7 +11,7 @@ from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grp
 from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
 from services.router.output import OutputDelta
-from services.router.request import ChatTurn, GenerateInput, check_model, tokenize_prompt
+from services.router.request import ChatTurn, GenerateInput, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.core = core
 
     async def Generate(self, request, context):
-        prepared = self.core.prepare(input_from_pb(request), current_principal.get())
+        prepared = await self.core.prepare(input_from_pb(request), current_principal.get())
         async for out in self.core.generate(prepared):
             yield output_to_pb(prepared.request_id, out)
 
@@ -82,7 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             text=request.text if which == "text" else None,
             chat=chat_from_pb(request.chat) if which == "chat" else None,
         )
-        token_ids, _ = tokenize_prompt(req, self.core.tokenizer)
+        token_ids = await self.core.tokenize(req)
         return generation_pb2.TokenizeResponse(
             token_ids=token_ids, max_model_len=self.core.limits.max_model_len
         )

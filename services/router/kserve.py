@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from services.common.auth import current_principal
 from services.common.errors import ModelNotFound
+from services.common.limits import clip
 from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from services.common.serving import message_for
@@ -36,7 +38,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _check_model(self, name: str) -> None:
         if name != self.core.limits.name:
             raise ModelNotFound(
-                f"model {name!r} is not served here: the served model is {self.core.limits.name!r}"
+                f"model {clip(name)} is not served here: the served model is "
+                f"{self.core.limits.name!r}"
             )
 
     async def ServerLive(self, request, context):
@@ -70,24 +73,35 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         """The whole text at once; the prompt is prepended unless exclude_input_in_output."""
         self._check_model(request.model_name)
-        decoded = request_from_pb(request)
-        prepared = self.core.prepare(decoded.generate, current_principal.get())
+        decoded = request_from_pb(request, self.core.limits)
+        prepared = await self.core.prepare(decoded.generate, current_principal.get())
         text, _ = await self.core.collect(prepared)
         if not decoded.exclude_input_in_output:
             text = prepared.prompt_text + text
         return text_response(self.core.limits.name, request.id, text)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Runs every request of the stream concurrently; responses carry the request's id."""
-        queue: asyncio.Queue = asyncio.Queue()
+        """Runs every request of the stream concurrently; responses carry the request's id.
+
+        At most --max-stream-requests run at once (one more is answered with an error
+        response, and the stream goes on); the response queue holds as many, so a client
+        that does not read stalls its own requests, never the router's memory."""
+        limit = self.core.limits.max_stream_requests
+        queue: asyncio.Queue = asyncio.Queue(maxsize=limit)
         tasks: set[asyncio.Task] = set()
 
         async def read_requests() -> None:
-            async for msg in request_iterator:
-                await queue.put(1)  # counted before this reader's _DONE can be seen
-                task = asyncio.create_task(self._produce(msg, queue))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            try:
+                async for msg in request_iterator:
+                    if len(tasks) >= limit:
+                        await queue.put(_refused(msg, limit))
+                        continue
+                    await queue.put(1)  # counted before this reader's _DONE can be seen
+                    task = asyncio.create_task(self._produce(msg, queue))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            except Exception as exc:  # noqa: BLE001 - e.g. a message that does not parse
+                await queue.put(_Failed(exc))
             await queue.put(_DONE)
 
         reader = asyncio.create_task(read_requests())
@@ -99,6 +113,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     num_active -= 1
                 elif isinstance(item, int):
                     num_active += item
+                elif isinstance(item, _Failed):
+                    raise item.error  # the stream ends with the error's status
                 else:
                     yield item
         finally:
@@ -122,8 +138,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_one(self, msg: pb.ModelInferRequest):
         self._check_model(msg.model_name)
-        decoded: KServeRequest = request_from_pb(msg)
-        prepared = self.core.prepare(decoded.generate, current_principal.get())
+        decoded: KServeRequest = request_from_pb(msg, self.core.limits)
+        prepared = await self.core.prepare(decoded.generate, current_principal.get())
         wants_empty_final = (
             _WANTS_EMPTY_FINAL in msg.parameters and msg.parameters[_WANTS_EMPTY_FINAL].bool_param
         )
@@ -141,6 +157,23 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if wants_empty_final:
             empty = pb.ModelInferResponse(model_name=name, model_version="1", id=msg.id)
             yield _mark(empty, True)
+
+
+@dataclass(slots=True)
+class _Failed:
+    """The stream's request messages could not be read: the stream ends with `error`."""
+
+    error: Exception
+
+
+def _refused(msg: pb.ModelInferRequest, limit: int) -> pb.ModelStreamInferResponse:
+    """The answer to one request too many on a stream."""
+    failed = _mark(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id), True)
+    return pb.ModelStreamInferResponse(
+        error_message=f"this stream already runs {limit} requests, the limit "
+        "(--max-stream-requests): wait for one to finish, or open another stream",
+        infer_response=failed,
+    )
 
 
 def _mark(response: pb.ModelInferResponse, is_final: bool) -> pb.ModelInferResponse:

@@ -4,20 +4,23 @@ Inputs (as Triton's vLLM backend): `text_input` BYTES, `stream` BOOL,
 `sampling_parameters` BYTES (a JSON object with vLLM's names), `exclude_input_in_output`
 BOOL; sampling keys may also come as tensors of their own (`max_tokens` INT32, ...).
 Output: `text_output` BYTES. BYTES elements in raw contents are each prefixed by their
-4-byte little-endian length.
+4-byte little-endian length. The JSON of `sampling_parameters` is bounded in size and in
+nesting depth before it is parsed (the parser recurses once per level).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequest
+from services.common.limits import clip
 from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.sampling import SamplingParams
-from services.router.request import GenerateInput
+from services.router.request import GenerateInput, ModelLimits
 
 _FIXED = {  # datatype -> (struct code, InferTensorContents field)
     "BOOL": ("?", "bool_contents"),
@@ -44,6 +47,8 @@ _INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
 _BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output")
 SAMPLING_KEYS = (*_FLOAT_KEYS, *_INT_KEYS, *_BOOL_KEYS, "stop", "stop_token_ids", "n")
 INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass(slots=True)
@@ -80,7 +85,7 @@ def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
         return decode_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
     if datatype not in _FIXED:
         raise InvalidRequest(
-            f"input {tensor.name!r} has datatype {datatype!r}: allowed are "
+            f"input {clip(tensor.name)} has datatype {clip(datatype)}: allowed are "
             f"BYTES, {', '.join(_FIXED)}"
         )
     code, field_name = _FIXED[datatype]
@@ -89,7 +94,7 @@ def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
     size = struct.calcsize(code)
     if len(raw) % size:
         raise InvalidRequest(
-            f"input {tensor.name!r}: {len(raw)} raw bytes is not a whole "
+            f"input {clip(tensor.name)}: {len(raw)} raw bytes is not a whole "
             f"number of {datatype} elements"
         )
     return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
@@ -108,7 +113,7 @@ def decode_inputs(msg: pb.ModelInferRequest) -> dict[str, Any]:
         elements = _tensor_values(tensor, raws[index] if raws else None)
         if len(elements) != 1:
             raise InvalidRequest(
-                f"input {tensor.name!r} has {len(elements)} elements: "
+                f"input {clip(tensor.name)} has {len(elements)} elements: "
                 "give exactly one (batching is not supported)"
             )
         values[tensor.name] = elements[0]
@@ -120,8 +125,41 @@ def _text(value: Any, name: str) -> str:
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InvalidRequest(f"input {name!r} is not valid UTF-8: {exc}") from exc
+            raise InvalidRequest(f"input {clip(name)} is not valid UTF-8: {exc}") from exc
     return str(value)
+
+
+def json_depth(text: str) -> int:
+    """How deeply arrays and objects nest in a JSON text, counted without parsing it."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _parse_json(value: Any, limits: ModelLimits) -> dict[str, Any]:
+    """The `sampling_parameters` object, bounded in size and depth before it is parsed."""
+    size = len(value) if isinstance(value, bytes) else len(str(value).encode("utf-8"))
+    if size > limits.max_json_bytes:
+        raise InvalidRequest(
+            f"sampling_parameters has {size} bytes, too large: at most "
+            f"{limits.max_json_bytes} (--max-json-bytes)"
+        )
+    text = _text(value, "sampling_parameters")
+    depth = json_depth(text)
+    if depth > limits.max_json_depth:
+        raise InvalidRequest(
+            f"sampling_parameters nests {depth} levels deep, too deep: at most "
+            f"{limits.max_json_depth} (--max-json-depth)"
+        )
+    try:
+        options = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, or an int too long
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from exc
+    if not isinstance(options, dict):
+        raise InvalidRequest("sampling_parameters must be a JSON object")
+    return options
 
 
 def _convert(key: str, value: Any) -> Any:
@@ -133,27 +171,29 @@ def _convert(key: str, value: Any) -> Any:
         if key in _BOOL_KEYS:
             return value if isinstance(value, bool) else str(value).lower() in ("true", "1")
         if key == "stop":
-            return [value] if isinstance(value, str) else [str(v) for v in value]
-        return [int(v) for v in value]  # stop_token_ids
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"sampling_parameters.{key}={value!r} has the wrong type") from exc
+            if isinstance(value, str):
+                return [value]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return list(value)
+            raise TypeError("expected a string or a list of strings")
+        if not isinstance(value, list):  # stop_token_ids
+            raise TypeError("expected a list of integers")
+        return [int(v) for v in value]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequest(
+            f"sampling_parameters.{key}={clip(value)} has the wrong type or value: {exc}"
+        ) from exc
 
 
-def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
+def sampling_options(values: dict[str, Any], limits: ModelLimits) -> dict[str, Any]:
     """vLLM sampling options from the JSON tensor, overridden by per-key tensors."""
     options: dict[str, Any] = {}
     if "sampling_parameters" in values:
-        text = _text(values["sampling_parameters"], "sampling_parameters")
-        try:
-            options = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from exc
-        if not isinstance(options, dict):
-            raise InvalidRequest("sampling_parameters must be a JSON object")
+        options = _parse_json(values["sampling_parameters"], limits)
     unknown = [k for k in options if k not in SAMPLING_KEYS]
     if unknown:
         raise InvalidRequest(
-            f"sampling_parameters.{unknown[0]} is not supported: allowed "
+            f"sampling_parameters.{unknown[0][:60]} is not supported: allowed "
             f"keys are {', '.join(SAMPLING_KEYS)}"
         )
     for key in SAMPLING_KEYS:
@@ -164,18 +204,18 @@ def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
     return {key: _convert(key, value) for key, value in options.items()}
 
 
-def request_from_pb(msg: pb.ModelInferRequest) -> KServeRequest:
+def request_from_pb(msg: pb.ModelInferRequest, limits: ModelLimits) -> KServeRequest:
     """Decodes a ModelInferRequest of the LLM convention; raises InvalidRequest."""
     values = decode_inputs(msg)
     unknown = [name for name in values if name not in INPUT_NAMES and name not in SAMPLING_KEYS]
     if unknown:
         raise InvalidRequest(
-            f"input {unknown[0]!r} is not supported: inputs are "
+            f"input {clip(unknown[0])} is not supported: inputs are "
             f"{', '.join(INPUT_NAMES)} (and sampling keys)"
         )
     if "text_input" not in values:
         raise InvalidRequest("input 'text_input' (BYTES) is missing: it holds the prompt")
-    options = sampling_options(values)
+    options = sampling_options(values, limits)
     if options.pop("n", 1) != 1:
         raise InvalidRequest("sampling_parameters.n must be 1: one output per request")
     stop = options.pop("stop", [])

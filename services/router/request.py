@@ -3,21 +3,28 @@
 Both public APIs (conveyor.v1.Generation and KServe v2) convert their messages into a
 `GenerateInput`; `prepare()` validates every field, tokenizes (chat template for chats) and
 returns a `PreparedRequest` ready for the scheduler. Every error is an `InvalidRequest`
-whose message names the field, the value and what is allowed.
+whose message names the field, the value and what is allowed. The cheap bounds come first
+and the prompt's size is checked before the tokenizer runs; token ids, given or tokenized,
+must fit the model's embedding rows (config.json `vocab_size`).
 """
 
 from __future__ import annotations
 
-import re
 import secrets
 import uuid
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequest, PromptTooLong
+from services.common.limits import (
+    RequestLimits,
+    check_request,
+    check_request_id,
+    check_token_ids,
+    clip,
+)
 from services.common.sampling import SamplingParams
 from services.router.tokenizer import Tokenizer
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -31,12 +38,20 @@ class ChatTurn:
 
 @dataclass(slots=True)
 class ModelLimits:
-    """What the router serves: the model's name and context length, and request limits."""
+    """What the router serves: the model's name, context length and embedding rows, and
+    request limits (RouterConfig documents each)."""
 
     name: str
     max_model_len: int
+    vocab_size: int
+    """The model's embedding rows (config.json): every token id must be below it."""
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_prompt_bytes: int = 1 << 20
+    max_json_bytes: int = 64 << 10
+    max_json_depth: int = 16
+    max_stream_requests: int = 64
+    request: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(slots=True)
@@ -79,38 +94,66 @@ def check_model(model: str, limits: ModelLimits) -> None:
     """Raises InvalidRequest unless `model` is empty or the served model's name."""
     if model and model != limits.name:
         raise InvalidRequest(
-            f"model={model!r} is not served here: the served model is "
+            f"model={clip(model)} is not served here: the served model is "
             f"{limits.name!r} (or leave model empty)"
         )
 
 
-def tokenize_prompt(req: GenerateInput, tokenizer: Tokenizer) -> tuple[list[int], str]:
-    """(prompt ids, prompt text) of a text, token-id or chat prompt; validates the prompt."""
+def tokenize_prompt(
+    req: GenerateInput, tokenizer: Tokenizer, limits: ModelLimits
+) -> tuple[list[int], str]:
+    """(prompt ids, prompt text) of a text, token-id or chat prompt; validates the prompt,
+    its size before the tokenizer runs. Slow for a long prompt: call it off the event loop."""
     prompts = [p for p in (req.text, req.token_ids, req.chat) if p is not None]
     if len(prompts) != 1:
         raise InvalidRequest("prompt is missing: set exactly one of text, token_ids or chat")
+    if req.token_ids is not None:
+        ids = _check_token_ids(req.token_ids, limits)
+        return ids, tokenizer.decode(ids)
+    _check_prompt_bytes(req, limits)
     if req.text is not None:
         if not req.text:
             raise InvalidRequest("text is empty: the prompt needs at least one character")
         return tokenizer.encode(req.text), req.text
-    if req.token_ids is not None:
-        return _check_token_ids(req.token_ids, tokenizer), tokenizer.decode(req.token_ids)
     messages = _check_chat(req.chat)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False), rendered
 
 
-def _check_token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+def _check_prompt_bytes(req: GenerateInput, limits: ModelLimits) -> None:
+    """A text or chat prompt's UTF-8 size against --max-prompt-bytes (before tokenizing)."""
+    if req.text is not None:
+        # a character is 1 to 4 bytes: skip the encoding when the length alone decides
+        size = len(req.text) if len(req.text) > limits.max_prompt_bytes else _utf8_len(req.text)
+        what = "text"
+    else:
+        size = sum(_utf8_len(t.role) + _utf8_len(t.content) for t in req.chat or ())
+        what = "chat (roles and contents)"
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest(
+            f"{what} has at least {size} bytes, too long: at most {limits.max_prompt_bytes} "
+            "bytes (--max-prompt-bytes)"
+        )
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def _check_token_ids(ids: list[int], limits: ModelLimits) -> list[int]:
     if not ids:
         raise InvalidRequest("token_ids is empty: the prompt needs at least one token")
-    vocab = tokenizer.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise InvalidRequest(
-            f"token_ids contains {bad[0]}, out of range: ids must be in "
-            f"[0, {vocab - 1}] (the tokenizer's vocabulary)"
-        )
+    _check_prompt_len(len(ids), limits)  # before the ids are decoded
+    check_token_ids("token_ids", ids, limits.vocab_size)
     return list(ids)
+
+
+def _check_prompt_len(num_prompt: int, limits: ModelLimits) -> None:
+    if num_prompt >= limits.max_model_len:
+        raise PromptTooLong(
+            f"prompt has {num_prompt} tokens, too long: the model's context "
+            f"length is {limits.max_model_len} (prompt + max_tokens)"
+        )
 
 
 def _check_chat(chat: list[ChatTurn]) -> list[dict]:
@@ -119,7 +162,7 @@ def _check_chat(chat: list[ChatTurn]) -> list[dict]:
     for index, turn in enumerate(chat):
         if turn.role not in CHAT_ROLES:
             raise InvalidRequest(
-                f"chat.messages[{index}].role={turn.role!r} is not allowed: "
+                f"chat.messages[{index}].role={clip(turn.role)} is not allowed: "
                 f"must be one of {', '.join(CHAT_ROLES)}"
             )
     return [{"role": t.role, "content": t.content} for t in chat]
@@ -128,7 +171,8 @@ def _check_chat(chat: list[ChatTurn]) -> list[dict]:
 def _check_stop(stop: list[str], limits: ModelLimits) -> None:
     if len(stop) > limits.max_stop_strings:
         raise InvalidRequest(
-            f"stop has {len(stop)} strings, too many: at most {limits.max_stop_strings}"
+            f"stop has {len(stop)} strings, too many: at most {limits.max_stop_strings} "
+            "(--max-stop-strings)"
         )
     for index, text in enumerate(stop):
         if not text:
@@ -136,7 +180,7 @@ def _check_stop(stop: list[str], limits: ModelLimits) -> None:
         if len(text) > limits.max_stop_string_chars:
             raise InvalidRequest(
                 f"stop[{index}] has {len(text)} characters, too long: at most "
-                f"{limits.max_stop_string_chars}"
+                f"{limits.max_stop_string_chars} (--max-stop-string-chars)"
             )
 
 
@@ -148,19 +192,15 @@ def prepare(req: GenerateInput, tokenizer: Tokenizer, limits: ModelLimits) -> Pr
         PromptTooLong: prompt plus max_tokens exceed the model's context length.
     """
     check_model(req.model, limits)
-    if req.request_id and not _REQUEST_ID.match(req.request_id):
-        raise InvalidRequest(
-            f"request_id={req.request_id[:140]!r} is not allowed: use 1 to 128 "
-            "letters, digits, '-', '_', '.' or ':'"
-        )
+    if req.request_id:
+        check_request_id(req.request_id)
+    check_request(req.sampling, req.priority, req.tenant, limits.request, limits.vocab_size)
     _check_stop(req.stop, limits)
-    prompt_ids, prompt_text = tokenize_prompt(req, tokenizer)
+    prompt_ids, prompt_text = tokenize_prompt(req, tokenizer, limits)
+    if req.token_ids is None:  # a tokenizer may know more ids than the model has rows
+        check_token_ids("prompt", prompt_ids, limits.vocab_size)
     num_prompt, max_tokens = len(prompt_ids), req.sampling.max_tokens
-    if num_prompt >= limits.max_model_len:
-        raise PromptTooLong(
-            f"prompt has {num_prompt} tokens, too long: the model's context "
-            f"length is {limits.max_model_len} (prompt + max_tokens)"
-        )
+    _check_prompt_len(num_prompt, limits)
     if num_prompt + max_tokens > limits.max_model_len:
         raise PromptTooLong(
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "

@@ -69,8 +69,14 @@ def build_core(config: RouterConfig) -> RouterCore:
     limits = ModelLimits(
         name=config.model_name,
         max_model_len=config.context_length(),
+        vocab_size=config.vocab_size(),
         max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_bytes=config.max_prompt_bytes,
+        max_json_bytes=config.max_json_bytes,
+        max_json_depth=config.max_json_depth,
+        max_stream_requests=config.max_stream_requests,
+        request=config.request_limits,
     )
     upstream = internal_client(
         config.tls_ca, config.tls_cert, config.tls_key, config.internal_token
@@ -104,7 +110,9 @@ async def serve(config: RouterConfig) -> None:
         config.host,
         config.port,
         PUBLIC_SERVICES,
+        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
         reflection_pool=reflection_pool(),
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
         security=security,
         health_port=config.health_port,
     )

@@ -134,8 +134,11 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` runs the post-processor (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` runs the post-processor (e.g. BOS).
+
+        Goes through `encode_batch`, which releases the GIL (`encode` holds it): a megabyte
+        prompt tokenized in a worker thread then leaves the event loop free."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""

@@ -13,6 +13,14 @@ from services.common.security import (
 )
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy, SchedulingMode
 
+LIMIT_FLAGS = (  # (flag, SchedulerConfig field, help): what a Submit may carry
+    ("--max-stop-token-ids", "max_stop_token_ids", "most stop token ids per request"),
+    ("--max-logprobs", "max_logprobs", "largest logprobs a request may ask for"),
+    ("--max-tenant-chars", "max_tenant_chars", "longest tenant name"),
+    ("--max-abs-priority", "max_abs_priority", "priority must be in [-N, N]"),
+    ("--max-message-bytes", "max_message_bytes", "largest gRPC request message"),
+)
+
 
 def _default(name: str):
     value = default_of(SchedulerConfig, name)
@@ -162,6 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    for flag, name, text in LIMIT_FLAGS:
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=int,
+            default=_default(name),
+            help=f"{text} (default: {_default(name)})",
+        )
 
 
 def build_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -193,6 +209,7 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         internal_token_file=args.internal_token_file,
         internal_token=internal_token(args.internal_token_file, os.environ),
         health_port=args.health_port,
+        **{name: getattr(args, name) for _, name, _ in LIMIT_FLAGS},
     )
 
 

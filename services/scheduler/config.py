@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from services.common import limits
 from services.common.errors import ConfigError
 
 
@@ -104,6 +105,19 @@ class SchedulerConfig:
     """Redis write failures shorter than this are ridden out (tokens stay buffered); longer
     ones turn health NOT_SERVING and refuse new requests (`--store-grace`)."""
 
+    # -- limits on what a Submit may carry (services/scheduler/validation.py) -------------
+    max_stop_token_ids: int = limits.DEFAULT_MAX_STOP_TOKEN_IDS
+    """Most stop token ids in one request (`--max-stop-token-ids`)."""
+    max_logprobs: int = limits.DEFAULT_MAX_LOGPROBS
+    """Largest `logprobs` a request may ask for (`--max-logprobs`)."""
+    max_tenant_chars: int = limits.DEFAULT_MAX_TENANT_CHARS
+    """Longest tenant name (`--max-tenant-chars`)."""
+    max_abs_priority: int = limits.DEFAULT_MAX_ABS_PRIORITY
+    """Priority must be in [-N, N] (`--max-abs-priority`)."""
+    max_message_bytes: int = limits.DEFAULT_MAX_MESSAGE_BYTES
+    """Largest gRPC request message; a larger one is RESOURCE_EXHAUSTED
+    (`--max-message-bytes`)."""
+
     # -- the service ----------------------------------------------------------------------
     workers: list[str] = field(default_factory=list)
     """Stage worker addresses HOST:PORT in stage order (`--workers`)."""
@@ -161,6 +175,15 @@ class SchedulerConfig:
         _at_least("num_stages", self.num_stages, 1)
         _at_least("max_waiting", self.max_waiting, 1)
         _at_least("finished_ttl_s", self.finished_ttl_s, 1)
+        for name in ("max_stop_token_ids", "max_logprobs", "max_abs_priority"):
+            _at_least(name, getattr(self, name), 0)
+        _at_least("max_tenant_chars", self.max_tenant_chars, 1)
+        _at_least("max_message_bytes", self.max_message_bytes, limits.MIN_MESSAGE_BYTES)
+        if self.max_message_bytes > 2**31 - 1 or self.max_abs_priority > 2**31 - 1:
+            raise ConfigError(
+                "max_message_bytes and max_abs_priority must be below 2^31 (gRPC and proto "
+                f"int32 bounds): got {self.max_message_bytes} and {self.max_abs_priority}"
+            )
         for name in ("orphan_timeout_s", "store_grace_s"):
             value = getattr(self, name)
             if not value > 0:
@@ -198,6 +221,17 @@ class SchedulerConfig:
                 f"{self.max_model_len} with chunked prefill off: long prompts could never be "
                 "scheduled; raise --max-num-batched-tokens or enable chunked prefill"
             )
+
+    @property
+    def request_limits(self) -> limits.RequestLimits:
+        """The bounds every Submit is checked against (the router's flags of the same
+        names)."""
+        return limits.RequestLimits(
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_logprobs=self.max_logprobs,
+            max_tenant_chars=self.max_tenant_chars,
+            max_abs_priority=self.max_abs_priority,
+        )
 
     @property
     def is_async(self) -> bool:

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.common.errors import InvalidRequest
+from services.common.limits import check_request_id
 
 _PRINCIPAL = re.compile(r"\A[A-Za-z0-9._@-]{0,64}\Z")
 
@@ -38,8 +39,7 @@ def request_key(principal: str, request_id: str) -> str:
             f"principal={principal[:80]!r} is not allowed: 0 to 64 letters, digits, '.', "
             "'_', '@' or '-'"
         )
-    if "/" in request_id:
-        raise InvalidRequest(f"request_id={request_id[:140]!r} must not contain '/'")
+    check_request_id(request_id)  # the client's id: letters, digits, ".", "_", ":", "-"
     return f"{principal}/{request_id}" if principal else request_id
 
 

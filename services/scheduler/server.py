@@ -154,6 +154,7 @@ async def serve(config: SchedulerConfig) -> int:
         config.host,
         config.port,
         [SERVICE_NAME],
+        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
         security=security,
         health_port=config.health_port,
     )

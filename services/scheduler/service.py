@@ -50,6 +50,7 @@ from services.scheduler.pipeline import (
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.state import StateStore, TokenDelta
+from services.scheduler.validation import validate_submission
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +198,16 @@ class SchedulerService:
             raise PipelineUnavailable(
                 f"the scheduler is not serving ({self.not_serving_reason}): retry in a few seconds"
             )
+        validate_submission(
+            self.config,
+            self.info.vocab_size,
+            request_id,
+            prompt_token_ids,
+            sampling,
+            priority,
+            tenant,
+            weight,
+        )
         if sampling.seed is None and not sampling.is_greedy:
             # A fixed seed makes recompute after preemption or a restart reproduce the tokens.
             sampling.seed = random.getrandbits(63)

@@ -177,14 +177,14 @@ def run_router(model_dir, metrics=None, tracing=None) -> tuple[FakeSchedulerClie
     client = FakeSchedulerClient()
     core = RouterCore(
         tokenizer=Tokenizer.from_dir(model_dir),
-        limits=ModelLimits(name="tiny", max_model_len=2048),
+        limits=ModelLimits(name="tiny", max_model_len=2048, vocab_size=512),
         scheduler=client,
         metrics=metrics,
         tracing=tracing,
     )
 
     async def main():
-        req = core.prepare(GenerateInput(sampling=SamplingParams(max_tokens=3), text="hi"))
+        req = await core.prepare(GenerateInput(sampling=SamplingParams(max_tokens=3), text="hi"))
         return [out async for out in core.generate(req)]
 
     return client, asyncio.run(main())

@@ -13,7 +13,7 @@ from services.router.generation import input_from_pb
 from services.router.kserve_tensors import encode_bytes, request_from_pb
 from services.router.request import ModelLimits, prepare
 
-LIMITS = ModelLimits(name="tiny-chat", max_model_len=64, max_stop_strings=4)
+LIMITS = ModelLimits(name="tiny-chat", max_model_len=64, vocab_size=512, max_stop_strings=4)
 
 
 def _prepare(tokenizer, **fields):
@@ -45,7 +45,10 @@ def _prepare(tokenizer, **fields):
         ({"text": "hi", "stop": ["ok", ""]}, "stop[1] is empty"),
         ({"text": "hi", "request_id": "bad id!"}, "request_id='bad id!' is not allowed"),
         ({"token_ids": generation_pb2.TokenIds(ids=[])}, "token_ids is empty"),
-        ({"token_ids": generation_pb2.TokenIds(ids=[1, 99999])}, "token_ids contains 99999"),
+        (
+            {"token_ids": generation_pb2.TokenIds(ids=[1, 99999])},
+            "token_ids[1]=99999 is out of range",
+        ),
         ({"chat": generation_pb2.Chat()}, "chat.messages is empty"),
         (
             {"chat": generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="robot")])},
@@ -104,7 +107,8 @@ def test_kserve_request_reads_triton_llm_tensors():
             stream=("BOOL", b"\x01"),
             sampling_parameters=_bytes(params),
             exclude_input_in_output=("BOOL", b"\x01"),
-        )
+        ),
+        LIMITS,
     )
     assert decoded.generate.text == "Hello" and decoded.is_stream
     assert decoded.exclude_input_in_output is True
@@ -129,5 +133,5 @@ def test_kserve_request_reads_triton_llm_tensors():
 )
 def test_kserve_request_rejects_bad_tensors(tensors, expected):
     with pytest.raises(InvalidRequest) as info:
-        request_from_pb(_kserve(**tensors))
+        request_from_pb(_kserve(**tensors), LIMITS)
     assert expected in str(info.value)

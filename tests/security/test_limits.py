@@ -95,7 +95,6 @@ def test_scheduler_validates_a_submission_itself():
         ({"prompt_token_ids": [1, 512]}, InvalidRequest, "prompt_token_ids[1]=512"),
         ({"prompt_token_ids": []}, InvalidRequest, "prompt_token_ids is empty"),
         ({"prompt_token_ids": [1] * 256}, PromptTooLong, "max_model_len=256"),
-        ({"request_id": "r\n"}, InvalidRequest, "request_id="),
         ({"sampling": SamplingParams(stop_token_ids=[1] * 5)}, InvalidRequest, "at most 4"),
         ({"tenant": "t" * 129}, InvalidRequest, "--max-tenant-chars"),
         ({"priority": -(2**31)}, InvalidRequest, "--max-abs-priority"),
@@ -106,6 +105,11 @@ def test_scheduler_validates_a_submission_itself():
         with pytest.raises(error) as info:
             validate_submission(config, 512, **{**ok, **change})
         assert expected in str(info.value)
+    # the client's id is checked where the scheduler names the request (its namespace)
+    from services.scheduler.ownership import request_key
+
+    with pytest.raises(InvalidRequest, match="request_id="):
+        request_key("anonymous", "r\n")
 
 
 @pytest.mark.parametrize(

@@ -54,30 +54,36 @@ def wait_serving(
 ) -> None:
     """Polls grpc.health.v1 until SERVING (over TLS with `security`'s CA; health needs no
     other credential); raises TimeoutError naming the address, or StackStopped as soon as
-    `should_stop()` is true."""
+    `should_stop()` is true.
+
+    A fresh channel per poll: a channel whose first connects failed (the server was still
+    starting) backs off for seconds and would see SERVING late."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with (security or ClientSecurity()).sync_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if should_stop is not None and should_stop():
-                raise StackStopped(f"stopped while waiting for {address}")
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
+    security = security or ClientSecurity()
+    while time.monotonic() < deadline:
+        if should_stop is not None and should_stop():
+            raise StackStopped(f"stopped while waiting for {address}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the process serving {address} exited with {proc.returncode}")
+        with security.sync_channel(address) as channel:
             try:
+                stub = health_pb2_grpc.HealthStub(channel)
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+        time.sleep(0.1)
     raise TimeoutError(f"{address} did not become SERVING within {timeout_s:.0f} s")
 
 
 RESTART_BACKOFF_S = (1.0, 30.0)
 """First and longest wait before a dead child is started again."""
+CONFIG_ERROR_EXIT = 2
+"""What `conveyor` exits with on a bad flag or value (argparse and ConfigError alike)."""
 RESTART_WINDOW_S = 300.0
 """--max-restarts counts the restarts of one child within this many seconds."""
 
@@ -156,6 +162,8 @@ class Stack:
                 self.redis_restart_at = None
 
     def _restart_time(self, name: str, code: int, restarts: list[float], now: float) -> float:
+        if code == CONFIG_ERROR_EXIT:  # a bad flag or value: no restart will fix it
+            raise StackFailed(f"{name} refused its configuration (exit code {code}; see above)")
         restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
         if len(restarts) >= self.max_restarts:
             raise StackFailed(
@@ -199,7 +207,11 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
 
     Raises StackStopped (with every child stopped) when `stack.stopping` is set meanwhile."""
     stack = stack or Stack(max_restarts=args.max_restarts)
-    should_stop = lambda: stack.stopping  # noqa: E731
+
+    def should_stop() -> bool:
+        stack.supervise()  # a child that dies while the stack starts is started again too
+        return stack.stopping
+
     internal, public = _security_args(args)
     client = _client_security(args)
     try:
@@ -268,8 +280,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         if args.trace_scheduler:
             argv += ["--trace-scheduler", args.trace_scheduler]
         argv += _observability_args(args, 1)
-        scheduler = stack.spawn("scheduler", argv, env)
-        wait_serving(scheduler_addr, args.startup_timeout, scheduler, should_stop, client)
+        stack.spawn("scheduler", argv, env)
+        wait_serving(scheduler_addr, args.startup_timeout, None, should_stop, client)
         argv = [
             "router",
             "--scheduler",
@@ -284,9 +296,9 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             *_observability_args(args, 0),
             *args.router_args,
         ]
-        router = stack.spawn("router", argv, env)
+        stack.spawn("router", argv, env)
         public_addr = f"{_connect_host(args.host)}:{args.port}"
-        wait_serving(public_addr, args.startup_timeout, router, should_stop, client)
+        wait_serving(public_addr, args.startup_timeout, None, should_stop, client)
         return stack, public_addr
     except BaseException:
         stack.stop()
@@ -504,6 +516,9 @@ def run(args: argparse.Namespace) -> int:
         _, address = start_stack(args, stack)
     except StackStopped:
         return 0
+    except StackFailed as exc:
+        logger.error("%s; the stack did not start", exc)
+        return 1
     print(
         f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
         f"scheduler on {stack.scheduler_address}",

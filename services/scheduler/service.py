@@ -252,6 +252,11 @@ class SchedulerService:
             return False
         if not is_owner(request.owner_token, owner_token):
             return False
+        return self._abort(request)
+
+    def _abort(self, request: Request) -> bool:
+        """Aborts `request` (whoever owns it: the caller checked) and tells its streams."""
+        request_id = request.request_id
         try:
             self.scheduler.abort_request(request_id)
         except UnknownRequest:
@@ -482,9 +487,10 @@ class SchedulerService:
             expired = [r for r, since in self._orphaned_at.items() if now - since >= timeout]
             for request_id in expired:
                 del self._orphaned_at[request_id]
-                if request_id not in self._subscribers:
+                request = self.scheduler.requests.get(request_id) if self.scheduler else None
+                if request is not None and request_id not in self._subscribers:
                     logger.info("aborting %s: nobody listened for %.0f s", request_id, timeout)
-                    self.abort(request_id)  # False, harmless, if it finished meanwhile
+                    self._abort(request)
 
     async def _recover_pipeline(self, reason: str, failed_step: list[str] | None = None) -> None:
         """Re-forms the pipeline. `failed_step`: the requests of the step a stage failed on;

@@ -95,7 +95,8 @@ def test_a_killed_router_ends_its_streams_clearly_and_its_requests_are_aborted(
     # The scheduler aborts what nobody listens to any more (--orphan-timeout): KV all free.
     _check_after(stack, redis_proc)
     client = redis_proc.client()
-    states = {client.hget(f"{{req:{o.request_id}}}:meta", "state") for o in outcomes}
+    # the scheduler names a request by its principal (anonymous here) and id
+    states = {client.hget(f"{{req:anonymous/{o.request_id}}}:meta", "state") for o in outcomes}
     assert states == {b"finished_aborted"}, "requests of a dead router ran on"
     _assert_exact(stack.run_streams(_prompts(4), MAX_TOKENS), reference(4))  # a new router
 

@@ -155,6 +155,10 @@ class UpStack:
                 return None
 
     def wait_serving(self, timeout_s: float = 120) -> None:
+        """Until `conveyor up` said it serves (so it supervises every child), and the
+        scheduler and the router answer SERVING."""
+        log = Path(self.log.name)
+        wait_until(lambda: "conveyor is serving" in log.read_text(), timeout_s)
         wait_until(
             lambda: self.health(self.scheduler) == SERVING and self.health(self.router) == SERVING,
             timeout_s,

@@ -1,10 +1,12 @@
 """Calibrate the "cpu" profile: real SmolLM2 steps beside the timing model, and a fit.
 
     python -m services.worker.sim.calibrate [--model DIR] [--peaks FILE] [--iters 5] [--write]
+        [--concurrent] [--save-samples FILE | --samples FILE]
 
 Runs the real worker's stages (`StageRunner.from_config`: oneDNN matmuls, the C++ decode
 attention, float32) as the 64 x 128/128 comparison runs them: 2 stages of 1 thread each
-(the default split, 18 | 12 layers + logits) and 1 stage of 2 threads. Each step kind
+(the default split, 18 | 12 layers + logits; `--concurrent`: both at once, one process
+each, each pinned to its own core) and 1 stage of 2 threads. Each step kind
 (decode at several batch sizes and contexts, prefill chunks) is timed as the device part
 of a step (forward + sampling; the runner's input building is real in the sim too, so it
 is not modeled), the fastest of interleaved rounds (the step undisturbed by the
@@ -12,7 +14,10 @@ other processes of a shared machine). Then, per thread count, the profile's
 efficiencies and overheads are fitted to those times (least squares on log time, from
 this machine's measured peaks: `measure.py`), and every case is printed with the
 measured time, the prediction of the peaks alone (efficiency 1, no overhead) and the
-fitted prediction. `--write` saves the fitted variants as the "cpu" profile (cpu.json).
+fitted prediction. The fit is made twice, with an operator's compute and memory times
+added (the CPU profile's choice) and with their maximum (the GPUs'), to show which the
+machine follows. `--write` saves the fitted variants as the "cpu" profile (cpu.json);
+`--save-samples` keeps the measured times, `--samples` fits those again without measuring.
 """
 
 from __future__ import annotations
@@ -96,8 +101,58 @@ def cases() -> list[Case]:
     return found
 
 
-def measure_stage(model_dir: Path, stage: Stage, iters: int) -> list[Sample]:
-    """Fastest device time (forward + sampling) of every case on the real stage."""
+def measure_layout(
+    model_dir: Path, stages: list[Stage], iters: int, concurrent: bool = False
+) -> list[Sample]:
+    """Every case on every stage of one layout, one stage after the other; `concurrent`:
+    the stages at the same time, one process each, pinned to their own cores where they
+    fit (as `conveyor up` runs them), starting each case together, so that a stage's time
+    includes what the other takes from the memory bus, as in the real pipeline (this needs
+    an otherwise idle machine: on a shared one the co-running stages are disturbed all the
+    time, and no round is clean)."""
+    if not concurrent or len(stages) == 1:
+        return [s for stage in stages for s in measure_stage(model_dir, stage, iters)]
+    import multiprocessing
+
+    from services.common.affinity import stage_cpus
+
+    cpus = stage_cpus(len(stages), stages[0].threads) or [None] * len(stages)
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(len(stages)), context.Queue()
+    procs = [
+        context.Process(
+            target=_measure_stage_process,
+            args=(model_dir, stage, iters, barrier, cores, results),
+            daemon=True,
+        )
+        for stage, cores in zip(stages, cpus, strict=True)
+    ]
+    for proc in procs:
+        proc.start()
+    found = [results.get(timeout=3600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    errors = [f for f in found if isinstance(f, str)]
+    if errors:
+        raise RuntimeError(f"measuring a stage failed: {errors[0]}")
+    return [s for samples in sorted(found, key=lambda f: f[0].stage.index) for s in samples]
+
+
+def _measure_stage_process(model_dir, stage, iters, barrier, cores, results) -> None:
+    try:
+        if cores is not None:
+            from services.common.affinity import pin_process
+
+            pin_process(cores)
+        results.put(measure_stage(model_dir, stage, iters, barrier))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        barrier.abort()
+        results.put(f"stage {stage.name}: {exc!r}")
+
+
+def measure_stage(model_dir: Path, stage: Stage, iters: int, barrier=None) -> list[Sample]:
+    """Fastest device time (forward + sampling) of every case on the real stage; with a
+    `barrier`, each case starts when every stage of the layout is ready to start it."""
     import torch
 
     from services.common.sampling import SamplingParams
@@ -132,6 +187,8 @@ def measure_stage(model_dir: Path, stage: Stage, iters: int) -> list[Sample]:
     times: list[list[float]] = [[] for _ in all_cases]
     for round_ in range(iters + 2):  # interleaved: a shared machine's load falls on all alike
         for case, case_times in zip(all_cases, times, strict=True):
+            if barrier is not None:
+                barrier.wait()
             seconds = run(case)
             if round_ >= 2:
                 case_times.append(seconds)
@@ -164,11 +221,16 @@ def fit(model: ModelConfig, base: HardwareProfile, samples: list[Sample]) -> Har
         predicted = np.log([predict(model, profile, s) for s in samples])
         return float(np.sum((predicted - measured) ** 2) + 1e-4 * np.sum((x - x0) ** 2))
 
-    best = nelder_mead(loss, x0, step=0.5, iterations=3000)
+    best = nelder_mead(loss, x0, step=0.5, iterations=4000)
     fitted = _with_params(base, best)
     return dataclasses.replace(
         fitted, description=f"this machine, {base.threads} thread(s) (measured peaks, fitted)"
     )
+
+
+def rms_error(model: ModelConfig, profile: HardwareProfile, samples: list[Sample]) -> float:
+    errors = [predict(model, profile, s) / s.measured_s - 1 for s in samples]
+    return math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
 def report(model: ModelConfig, peaks: HardwareProfile, fitted: HardwareProfile, samples) -> str:
@@ -209,12 +271,30 @@ def load_peaks(path: Path | None, threads: list[int]) -> dict[int, HardwareProfi
     return {n: measure(n).profile() for n in threads}
 
 
+def save_samples(path: Path, samples: list[Sample]) -> None:
+    path.write_text(json.dumps([dataclasses.asdict(s) for s in samples], indent=1) + "\n")
+
+
+def read_samples(path: Path) -> list[Sample]:
+    found = []
+    for raw in json.loads(path.read_text()):
+        case = raw["case"]
+        case = Case(case["name"], case["kind"], tuple(case["query_lens"]), tuple(case["seq_lens"]))
+        found.append(Sample(**{**raw, "stage": Stage(**raw["stage"]), "case": case}))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M")
     parser.add_argument("--peaks", type=Path, default=None, help="`measure.py --write` file")
     parser.add_argument("--iters", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--write", action="store_true", help=f"save {CPU_PROFILE_PATH.name}")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="run the 2 stages at once (an idle machine)"
+    )
+    parser.add_argument("--save-samples", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--samples", type=Path, default=None, metavar="FILE", help="no measuring")
     args = parser.parse_args()
     if args.model is None:
         from services.models.fetch import fetch_model
@@ -223,17 +303,32 @@ def main() -> None:
     model = ModelConfig.from_dir(args.model)
     layouts = {1: [Stage(0, 2, 1), Stage(1, 2, 1)], 2: [Stage(0, 1, 2)]}
     peaks = load_peaks(args.peaks, sorted(layouts))
+    if args.samples:
+        all_samples = read_samples(args.samples)
+    else:
+        all_samples = [
+            s
+            for stages in layouts.values()
+            for s in measure_layout(args.model, stages, args.iters, args.concurrent)
+        ]
+        if args.save_samples:
+            save_samples(args.save_samples, all_samples)
     fitted = []
-    for threads, stages in layouts.items():
-        samples = [s for stage in stages for s in measure_stage(args.model, stage, args.iters)]
-        profile = fit(model, peaks[threads], samples)
+    for threads in layouts:
+        samples = [s for s in all_samples if s.stage.threads == threads]
+        base = peaks[threads]
+        profile = fit(model, dataclasses.replace(base, overlap=False), samples)
+        as_max = fit(model, dataclasses.replace(base, overlap=True), samples)
         fitted.append(profile)
-        p = peaks[threads]
         print(
-            f"\n{threads} thread(s): peaks {p.peak_flops / 1e9:.1f} GF/s matmul, "
-            f"{p.memory_bandwidth / 1e9:.1f} GB/s read"
+            f"\n{threads} thread(s): peaks {base.peak_flops / 1e9:.1f} GF/s matmul, "
+            f"{base.memory_bandwidth / 1e9:.1f} GB/s read"
         )
-        print(report(model, p, profile, samples))
+        print(report(model, dataclasses.replace(base, overlap=False), profile, samples))
+        print(
+            f"  rms error over all cases: {rms_error(model, profile, samples):.1%} with compute "
+            f"+ memory (used), {rms_error(model, as_max, samples):.1%} with max(compute, memory)"
+        )
     if args.write:
         write_profiles(CPU_PROFILE_PATH, fitted)
         print(f"\nwrote {CPU_PROFILE_PATH}")

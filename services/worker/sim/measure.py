@@ -5,7 +5,8 @@
 For each thread count: matmul GF/s (float32, through oneDNN with packed weights as the CPU
 worker runs them, else `F.linear`; the best of a few shapes), memory read GB/s (summing a
 tensor far larger than the caches), and the gloo link between two ranks on loopback (the
-transport of CPU pipelines: latency of an 8-byte message, bandwidth of 4 MiB). `--write`
+transport of CPU pipelines: latency of an 8-byte message, bandwidth of 4 MiB); each the
+fastest of several tries, the least disturbed on a shared machine. `--write`
 saves a profile file with these peaks and neutral efficiencies (1.0) and no overheads;
 `python -m services.worker.sim.calibrate` fits those to real steps.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +61,7 @@ class Peaks:
             link_latency_s=self.link_latency_s,
             tp_bandwidth=self.link_bandwidth,
             tp_latency_s=self.link_latency_s,
+            overlap=False,
             threads=self.threads,
         )
 
@@ -137,9 +138,8 @@ def link(repeats: int = 20) -> tuple[float, float]:
         times = results.get(timeout=60)
     finally:
         peer.join(timeout=30)
-    latency = statistics.median(times[8])
-    bandwidth = LINK_BYTES / max(statistics.median(times[LINK_BYTES]) - latency, 1e-9)
-    return latency, bandwidth
+    latency = min(times[8])  # the fastest: the least disturbed by other processes
+    return latency, LINK_BYTES / max(min(times[LINK_BYTES]) - latency, 1e-9)
 
 
 def measure(threads: int) -> Peaks:

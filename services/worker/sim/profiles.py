@@ -87,6 +87,11 @@ class HardwareProfile:
     tp_bandwidth: float = 360e9
     """All-reduce bus bandwidth between the TP ranks of a stage, bytes/s (effective)."""
     tp_latency_s: float = 20e-6
+    overlap: bool = True
+    """How an operator's compute and memory times combine: True, the larger of the two (a
+    GPU kernel streams its operands while the tensor cores work); False, their sum (a CPU
+    core issues loads and FMAs from one instruction stream: the calibration on this machine
+    fits the sum, see docs/simulation.md)."""
     threads: int | None = None
     """CPU profiles: the intra-op threads it was measured and fitted with."""
 

@@ -13,9 +13,15 @@ N rows that sample. Per TP rank (t ranks; w = bytes per element of the profile's
     all-reduce (t > 1) 2 per layer of T H w bytes: latency + 2 (t - 1) / t bytes / bus bw
 
 with P the weights of one layer, h / h_kv / d the query heads / KV heads / head size, H the
-hidden size, V the vocabulary. Each operator takes max(FLOPs / (peak x compute eff),
-bytes / (bandwidth x memory eff)): within an operator, compute and memory traffic overlap
-(a roofline), but operators run one after another, so their times add:
+hidden size, V the vocabulary. Each operator takes
+
+    max(FLOPs / (peak x compute eff), bytes / (bandwidth x memory eff))   (GPU profiles)
+    FLOPs / (peak x compute eff) + bytes / (bandwidth x memory eff)       (CPU: overlap off)
+
+On a GPU an operator's compute and memory traffic overlap (a roofline: the larger wins);
+on a CPU core they come from one instruction stream and add up (the calibration against
+real SmolLM2 steps fits the sum, not the max). Operators run one after another, so their
+times add:
 
     step = L (linear + attention + all-reduce) + logits + embedding
            + step_overhead + L layer_overhead + B seq_overhead
@@ -149,7 +155,7 @@ class StageTimingModel:
             flops = 2.0 * num_tokens * m.num_layer_params / self.tp
             bytes_ = self._layer_weight_bytes + num_tokens * self._layer_act_bytes_per_token
             compute_s, memory_s = self._compute_s(flops), self._memory_s(bytes_)
-            cost.linear_s = L * max(compute_s, memory_s)
+            cost.linear_s = L * self._combine(compute_s, memory_s)
             cost.is_linear_compute_bound = compute_s > memory_s
             cost.attention_s = L * self._attention_s(query_lens, seq_lens)
             if self.tp > 1:
@@ -162,7 +168,7 @@ class StageTimingModel:
             table = m.vocab_size * m.hidden_size / self.tp
             flops = 2.0 * num_sampled * table
             bytes_ = table * self.w + 2.0 * num_sampled * m.vocab_size / self.tp * LOGITS_BYTES
-            cost.logits_s = max(self._compute_s(flops), self._memory_s(bytes_))
+            cost.logits_s = self._combine(self._compute_s(flops), self._memory_s(bytes_))
         cost.overhead_s = (
             p.step_overhead_s + L * p.layer_overhead_s + len(query_lens) * p.seq_overhead_s
         )
@@ -189,7 +195,10 @@ class StageTimingModel:
         )
         compute_s = flops / (p.peak_flops * p.attention_compute_efficiency)
         memory_s = bytes_ / (p.memory_bandwidth * p.attention_memory_efficiency)
-        return max(compute_s, memory_s)
+        return self._combine(compute_s, memory_s)
+
+    def _combine(self, compute_s: float, memory_s: float) -> float:
+        return max(compute_s, memory_s) if self.profile.overlap else compute_s + memory_s
 
     def _compute_s(self, flops: float) -> float:
         return flops / (self.profile.peak_flops * self.profile.compute_efficiency)

@@ -78,7 +78,7 @@ def best_s(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def matmul_flops(repeats: int = 5) -> float:
+def matmul_flops(repeats: int = 20) -> float:
     """Best float32 GEMM FLOP/s over MATMUL_SHAPES, on the worker's matmul path."""
     from services.worker.model.packed_linear import PackedLinear, onednn_supported
 
@@ -95,7 +95,7 @@ def matmul_flops(repeats: int = 5) -> float:
     return best
 
 
-def read_bandwidth(repeats: int = 5) -> float:
+def read_bandwidth(repeats: int = 20) -> float:
     """Bytes/s of summing a READ_BYTES float32 tensor (a pure streaming read)."""
     data = torch.ones(READ_BYTES // 4)
     return READ_BYTES / best_s(data.sum, repeats)
@@ -105,8 +105,9 @@ def _link_rank(rank: int, port: int, repeats: int, results) -> None:
     """One side of a gloo ping-pong; rank 0 puts {size: [one-way seconds]} on `results`."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout)
+    group = dist.ProcessGroupGloo(store, rank, 2, timeout)
     times: dict[int, list[float]] = {8: [], LINK_BYTES: []}
     for size, samples in times.items():
         buf = torch.zeros(size // 4)
@@ -124,7 +125,7 @@ def _link_rank(rank: int, port: int, repeats: int, results) -> None:
         results.put(times)
 
 
-def link(repeats: int = 20) -> tuple[float, float]:
+def link(repeats: int = 50) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of gloo send/recv between two processes on loopback,
     as between the stage workers of a CPU pipeline."""
     import multiprocessing

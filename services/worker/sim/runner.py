@@ -153,8 +153,9 @@ class SimStageRunner(StageRunner):
             self._check_wire(plan.step_id, hidden_in, meta)
         for state, num in zip(batch.states, batch.num_scheduled, strict=True):
             state.num_computed_tokens += num
-        sampling = [s for s in batch.states if s.num_computed_tokens >= len(s.token_ids)]
-        num_sampled = len(sampling) if self.stage.is_last else 0
+        num_sampled = 0
+        if self.stage.is_last:
+            num_sampled = sum(s.num_computed_tokens >= len(s.token_ids) for s in batch.states)
         cost = self.timing_model.step(batch.num_scheduled, meta.seq_lens.tolist(), num_sampled)
         t1 = time.perf_counter()
         self.sleeper.sleep_for(cost.total_s)

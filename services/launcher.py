@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads, stage_cpus
+from services.common.config import default_of
 from services.common.errors import ConfigError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port
@@ -33,6 +34,8 @@ from services.common.security import (
     add_tls_arguments,
     check_tls_files,
 )
+from services.worker.cli import add_sim_arguments
+from services.worker.config import DEVICES, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +258,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 argv += ["--linear-backend", args.linear_backend]
             if pinned:
                 argv += ["--cpu-affinity", ",".join(map(str, pinned[stage]))]
+            argv += _device_args(args)
             argv += _observability_args(args, 2 + stage)
             stack.spawn(f"worker {stage}", argv, env)
         scheduler_port = args.scheduler_port or free_port()
@@ -356,6 +360,21 @@ def _connect_host(host: str) -> str:
     return host if ":" not in host or host.startswith("[") else f"[{host}]"
 
 
+def _device_args(args: argparse.Namespace) -> list[str]:
+    """--device and, for a simulated device, its --sim-* flags, for each worker."""
+    if args.device == "cpu":
+        return []
+    argv = ["--device", args.device]
+    if args.device == "sim":
+        argv += ["--sim-profile", args.sim_profile]
+        argv += ["--sim-tensor-parallel-size", str(args.sim_tensor_parallel_size)]
+        if args.sim_link_bandwidth is not None:
+            argv += ["--sim-link-bandwidth", str(args.sim_link_bandwidth)]
+        if args.sim_link_latency is not None:
+            argv += ["--sim-link-latency", str(args.sim_link_latency)]
+    return argv
+
+
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
     """--metrics-port (the router on N, the scheduler on N+1, stage i on N+2+i) and
     --otlp-endpoint for one child."""
@@ -401,6 +420,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--device",
+        choices=list(DEVICES),
+        default=default_of(WorkerConfig, "device"),
+        help="the workers' device; sim models the forward pass on --sim-profile's hardware "
+        "(docs/simulation.md) (default: cpu)",
+    )
+    add_sim_arguments(parser)
     parser.add_argument(
         "--threads",
         type=int,

@@ -36,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default=default("host"), help=f"gRPC bind address (default: {default('host')})"
     )
-    parser.add_argument("--device", choices=list(DEVICES), default=default("device"))
+    parser.add_argument(
+        "--device",
+        choices=list(DEVICES),
+        default=default("device"),
+        help="cpu, cuda, or sim: a simulated device that models the forward pass "
+        f"(docs/simulation.md) (default: {default('device')})",
+    )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=default("dtype")
     )
@@ -113,6 +119,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    add_sim_arguments(parser)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `--device sim` (shared with `conveyor up`)."""
+    from services.common.config import default_of
+    from services.worker.config import WorkerConfig
+
+    def default(name: str):
+        return default_of(WorkerConfig, name)
+
+    parser.add_argument(
+        "--sim-profile",
+        default=default("sim_profile"),
+        metavar="NAME|FILE",
+        help="device sim: modeled hardware, h100, h200, a100, cpu (this machine, fitted) or a "
+        f"profile JSON file (default: {default('sim_profile')})",
+    )
+    parser.add_argument(
+        "--sim-link-bandwidth",
+        type=float,
+        default=default("sim_link_bandwidth"),
+        metavar="GB_PER_S",
+        help="device sim: stage-to-stage bandwidth in GB/s (default: the profile's)",
+    )
+    parser.add_argument(
+        "--sim-link-latency",
+        type=float,
+        default=default("sim_link_latency"),
+        metavar="US",
+        help="device sim: stage-to-stage latency in microseconds (default: the profile's)",
+    )
+    parser.add_argument(
+        "--sim-tensor-parallel-size",
+        type=int,
+        default=default("sim_tensor_parallel_size"),
+        help="device sim: modeled tensor-parallel ranks per stage "
+        f"(default: {default('sim_tensor_parallel_size')})",
+    )
 
 
 def build_config(args: argparse.Namespace):
@@ -146,6 +191,10 @@ def build_config(args: argparse.Namespace):
         internal_token_file=args.internal_token_file,
         internal_token=internal_token(args.internal_token_file, os.environ),
         health_port=args.health_port,
+        sim_profile=args.sim_profile,
+        sim_link_bandwidth=args.sim_link_bandwidth,
+        sim_link_latency=args.sim_link_latency,
+        sim_tensor_parallel_size=args.sim_tensor_parallel_size,
     )
 
 

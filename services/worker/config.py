@@ -12,7 +12,8 @@ from services.worker.model.stages import MAX_STAGES
 
 # What the flags may say. Light on purpose (no torch): the CLI builds its parser from here.
 DEFAULT_PORT = 50061
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "sim")
+"""`--device`: sim models the forward pass instead of running it (services/worker/sim/)."""
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
@@ -45,7 +46,8 @@ class WorkerConfig:
     None: triton on CUDA, on CPU the C++ kernel when it builds here, else torch
     (`effective_attention_backend`)."""
     device: str = "cpu"
-    """`--device`: cpu or cuda."""
+    """`--device`: cpu, cuda, or sim (a simulated device: every real part of the worker, the
+    forward pass replaced by a timing model; docs/simulation.md)."""
     num_threads: int | None = None
     """`--threads`: torch intra-op threads on CPU; None: this machine's cores / stages."""
     linear_backend: str = "auto"
@@ -81,6 +83,18 @@ class WorkerConfig:
     health_port: int | None = None
     """`--health-port`: a plaintext port serving grpc.health.v1 only (probes that cannot
     speak TLS); None: none."""
+    sim_profile: str = "h200"
+    """`--sim-profile`, device sim: the modeled hardware, "h100", "h200", "a100", "cpu" (this
+    machine, fitted) or a profile JSON file."""
+    sim_link_bandwidth: float | None = None
+    """`--sim-link-bandwidth`, device sim: stage-to-stage bandwidth in GB/s (1e9 bytes/s);
+    None: the profile's."""
+    sim_link_latency: float | None = None
+    """`--sim-link-latency`, device sim: stage-to-stage latency in microseconds; None: the
+    profile's."""
+    sim_tensor_parallel_size: int = 1
+    """`--sim-tensor-parallel-size`, device sim: modeled TP ranks per stage (weights, FLOPs
+    and KV split over them, plus an all-reduce per attention and MLP block)."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -128,6 +142,8 @@ class WorkerConfig:
             from services.common.telemetry import check_endpoint
 
             check_endpoint(self.otlp_endpoint)
+        if self.device == "sim":
+            self._check_sim()
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(
                 f"linear_backend={self.linear_backend!r} is unknown: choose one of "
@@ -138,6 +154,20 @@ class WorkerConfig:
                 f"linear_backend='onednn' needs a CPU device, float32 or bfloat16 and a torch "
                 f"built with oneDNN (device={self.device!r}, dtype={self.dtype!r}); use "
                 f"--linear-backend torch"
+            )
+
+    def _check_sim(self) -> None:
+        from services.worker.sim.profiles import load_profile
+
+        load_profile(self.sim_profile, self.threads)  # raises ConfigError naming the choices
+        if self.sim_link_bandwidth is not None and not self.sim_link_bandwidth > 0:
+            raise ConfigError(f"sim_link_bandwidth={self.sim_link_bandwidth} must be > 0 GB/s")
+        if self.sim_link_latency is not None and not self.sim_link_latency >= 0:
+            raise ConfigError(f"sim_link_latency={self.sim_link_latency} must be >= 0 us")
+        if not 1 <= self.sim_tensor_parallel_size <= 64:
+            raise ConfigError(
+                f"sim_tensor_parallel_size={self.sim_tensor_parallel_size} is out of range: "
+                "must be in [1, 64]"
             )
 
     @property
@@ -161,6 +191,8 @@ class WorkerConfig:
 
 
 def _onednn_supported(device: str, dtype: str) -> bool:
+    if device == "sim":  # nothing is computed
+        return False
     from services.worker.model.loader import resolve_dtype
     from services.worker.model.packed_linear import onednn_supported
 

@@ -84,6 +84,11 @@ class StageRunner:
         self.last_logits: torch.Tensor | None = None
         """[N, V] float32 logits of the rows sampled in the last step (last stage only)."""
 
+    @property
+    def device_kind(self) -> str:
+        """The device Describe reports ("cpu", "cuda"; a simulated stage: the one it models)."""
+        return self.device.type
+
     @classmethod
     def from_config(cls, config: WorkerConfig) -> StageRunner:
         """Load this stage's weights and allocate its KV cache from the budget."""

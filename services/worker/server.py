@@ -96,7 +96,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             max_model_len=self.max_model_len,
             vocab_size=runner.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            device=runner.device.type,
+            device=runner.device_kind,
         )
 
     async def GetTimeline(self, request, context):
@@ -198,15 +198,20 @@ async def serve(config: WorkerConfig) -> None:
     )
     await server.start()
     logger.info("stage %d/%d: loading %s", config.stage_index, config.num_stages, config.model_dir)
-    runner = await asyncio.to_thread(StageRunner.from_config, config)
-    transport = StageTransport(
-        config.stage_index,
-        config.num_stages,
-        config.dist_addr,
-        torch.device(config.device),
-        bind_host=config.host,
-        secret=config.internal_token,
-    )
+    if config.device == "sim":  # every real part, the forward pass modeled
+        from services.worker.sim.stage import build_sim_stage
+
+        runner, transport = await asyncio.to_thread(build_sim_stage, config)
+    else:
+        runner = await asyncio.to_thread(StageRunner.from_config, config)
+        transport = StageTransport(
+            config.stage_index,
+            config.num_stages,
+            config.dist_addr,
+            torch.device(config.device),
+            bind_host=config.host,
+            secret=config.internal_token,
+        )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
     servicer.set_engine(StageEngine(runner, transport), list(eos), max_model_len)

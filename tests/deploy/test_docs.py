@@ -29,6 +29,7 @@ EXPECTED_PAGES = {
     "observability.md",
     "performance.md",
     "security.md",
+    "simulation.md",
 }
 
 

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from services.scheduler.service import SchedulerService
 from services.scheduler.store import RedisStateStore
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.server import outcome_to_pb
+from services.worker.transport import Transport
 from tests.worker.utils import make_runners
 
 RECV_TIMEOUT_S = 60.0
@@ -254,16 +256,25 @@ class InProcessStack:
         num_blocks: int = 64,
         block_size: int = 16,
         max_model_len: int = 256,
+        runners: list | None = None,
+        wrap_transport: Callable[[LocalTransport, object], Transport] | None = None,
         **options,
     ) -> None:
+        """`runners` replaces the tiny model's runners (e.g. simulated stages), and
+        `wrap_transport(transport, runner)` each stage's in-memory transport."""
         url = redis_url.rsplit("/", 1)[0] + f"/{_REDIS_DB}"
         redis.Redis.from_url(url).flushdb()  # no request of another test is recovered
         self.store = RedisStateStore(url)
         self.hub = LocalHub()
-        self.runners = make_runners(model_dir, num_stages, block_size, num_blocks)
+        self.runners = runners or make_runners(model_dir, num_stages, block_size, num_blocks)
+        transports = [LocalTransport(self.hub, stage, num_stages) for stage in range(num_stages)]
+        if wrap_transport is not None:
+            transports = [
+                wrap_transport(t, r) for t, r in zip(transports, self.runners, strict=True)
+            ]
         engines = [
-            StageEngine(runner, LocalTransport(self.hub, stage, num_stages))
-            for stage, runner in enumerate(self.runners)
+            StageEngine(runner, transport)
+            for runner, transport in zip(self.runners, transports, strict=True)
         ]
         self.pipeline = LocalPipeline(engines, self.hub, max_model_len)
         self.service = SchedulerService(

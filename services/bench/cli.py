@@ -128,6 +128,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--skip-hf", action="store_true", help="leave out the transformers baseline"
     )
+    # --compare --device sim: services/bench/sim_experiment.py
+    group = parser.add_argument_group("--compare --device sim")
+    group.add_argument(
+        "--device",
+        choices=["cpu", "sim"],
+        default="cpu",
+        help="--compare on real CPU stages (default) or on simulated devices (sim)",
+    )
+    group.add_argument(
+        "--sim-profile", default="h200", help="sim: modeled hardware (default: h200)"
+    )
+    group.add_argument(
+        "--stages-list",
+        default="2,4,8",
+        help="sim: pipeline depths to compare, e.g. 2,4,8 (default: 2,4,8)",
+    )
+    group.add_argument(
+        "--workloads",
+        default="short,long",
+        help="sim: short (256 x 128/128) and/or long (64 x 2048/512) (default: both)",
+    )
+    group.add_argument(
+        "--arrivals",
+        default="burst,poisson",
+        help="sim: burst (all at once) and/or poisson (0.9 x burst req/s) (default: both)",
+    )
+    group.add_argument(
+        "--sweep",
+        action="store_true",
+        help="sim: sweep the modeled stage step time from ~20 ms to ~0.5 ms instead",
+    )
 
 
 def _workload(args: argparse.Namespace):
@@ -158,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
             args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
         ),
     )
+    if args.compare and args.device == "sim":
+        from services.bench.sim_experiment import run_sim_compare
+
+        return run_sim_compare(args)
     if args.compare:
         from services.bench.compare import run_compare
 

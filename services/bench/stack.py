@@ -62,8 +62,10 @@ def start_stack(
     results_dir: Path,
     kv_cache_memory: str = "1GiB",
     startup_timeout_s: float = 600.0,
+    extra_args: list[str] | None = None,
 ) -> RunningStack:
-    """Starts `conveyor up` for `mode` and waits until its router is SERVING."""
+    """Starts `conveyor up` for `mode` (with `extra_args`, e.g. `--device sim`) and waits
+    until its router is SERVING."""
     from services.launcher import wait_serving
 
     port, scheduler_port = free_port(), free_port()
@@ -92,6 +94,7 @@ def start_stack(
         kv_cache_memory,
         "--timeline",
         str(trace),
+        *(extra_args or []),
     ]
     logger.info("starting %s (log: %s)", mode.label, log_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -7,6 +7,7 @@ counters; `finish()` reads the bubble per stage over the window and the counters
 from __future__ import annotations
 
 import logging
+import time
 
 from services.common.security import ClientSecurity
 
@@ -21,6 +22,7 @@ class SchedulerProbe:
         self.security = security or ClientSecurity()
         """TLS to the scheduler and the internal token (GetStats is for operators)."""
         self._start = None
+        self._started_at = time.monotonic()
 
     async def _stats(self, reset: bool):
         from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -33,12 +35,14 @@ class SchedulerProbe:
 
     async def start(self) -> None:
         self._start = await self._stats(reset=True)
+        self._started_at = time.monotonic()
 
     async def finish(self) -> dict:
         """bubble_fraction (per stage, over the window), prefix_cache_hit_rate (since the
         scheduler started), preemptions (during the window), scheduling, num_stages."""
         end = await self._stats(reset=False)
         start_preempted = self._start.num_preempted_total if self._start else 0
+        start_steps = self._start.num_steps if self._start else 0
         return {
             "bubble_fraction": [round(b, 4) for b in end.bubble_fraction],
             "prefix_cache_hit_rate": end.prefix_cache_hit_rate,
@@ -46,4 +50,5 @@ class SchedulerProbe:
             "scheduling": end.scheduling,
             "num_stages": end.num_stages,
             "mean_schedule_us": end.mean_schedule_us,
+            "plans_per_s": (end.num_steps - start_steps) / (time.monotonic() - self._started_at),
         }

@@ -64,15 +64,21 @@ def run_sim_compare(args: argparse.Namespace) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     stages = [int(p) for p in args.stages_list.split(",")]
     points: list[Point] = []
-    if args.sweep:
+    if args.sweep:  # --num-prompts / --input-len / --output-len size it (default: short)
+        num, inp, out = WORKLOADS["short"]
+        WORKLOADS["sweep"] = (
+            args.num_prompts or num,
+            args.input_len or inp,
+            args.output_len or out,
+        )
         for num_stages in stages:
             for step_ms in SWEEP_STEP_MS:
                 profile = _scaled_profile(args.sim_profile, model, num_stages, step_ms, results_dir)
                 for scheduling in ("sync", "async"):
                     result = _run(
-                        model, profile, num_stages, scheduling, "short", None, results_dir
+                        model, profile, num_stages, scheduling, "sweep", None, results_dir
                     )
-                    points.append(Point("short", "burst", num_stages, scheduling, step_ms, result))
+                    points.append(Point("sweep", "burst", num_stages, scheduling, step_ms, result))
         print(sweep_table(points), flush=True)
     else:
         for workload in args.workloads.split(","):
@@ -146,8 +152,8 @@ def _run(
 
 
 def _scaled_profile(name: str, model: Path, num_stages: int, step_ms: float, out: Path) -> str:
-    """A copy of profile `name`, its peaks scaled so that a decode step of the short
-    workload (256 / P requests) on one stage of `num_stages` takes about `step_ms`."""
+    """A copy of profile `name`, its peaks scaled so that a decode step of the sweep's
+    workload (its requests / P) on one stage of `num_stages` takes about `step_ms`."""
     from services.worker.model.config import ModelConfig
     from services.worker.model.stages import stage_spec
     from services.worker.sim.profiles import load_profile
@@ -157,7 +163,7 @@ def _scaled_profile(name: str, model: Path, num_stages: int, step_ms: float, out
     config = ModelConfig.from_dir(model)
     stage = stage_spec(config.num_hidden_layers, num_stages, 0)
     timing = StageTimingModel(config, profile, stage.num_layers, True, False)
-    batch = WORKLOADS["short"][0] // num_stages
+    batch = max(1, WORKLOADS["sweep"][0] // num_stages)
     modeled_s = timing.step([1] * batch, [192] * batch, 0).total_s
     scale = modeled_s / (step_ms / 1000.0)
     fields = profile.to_dict()

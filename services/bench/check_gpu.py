@@ -264,10 +264,41 @@ def _greedy(model, config, device, prompt: list[int], num_tokens: int) -> list[i
     return produced
 
 
+def compare_pipeline(model_dir: str, sim_profile: str, num_stages: int = 2) -> None:
+    """Sync vs async on this GPU (real weights, bf16, 64 x 128/128) and the same on the
+    simulated device, one table: does the model's bubble match the GPU's?"""
+    from pathlib import Path
+
+    from services.bench import sim_experiment as sx
+
+    out = Path("bench/results/gpu-pipeline")
+    out.mkdir(parents=True, exist_ok=True)
+    sx.WORKLOADS["gpu"] = (64, 128, 128)
+    points = []
+    for label, device_args in (
+        ("gpu", ["--device", "cuda", "--dtype", "bfloat16"]),
+        ("sim", None),
+    ):
+        for scheduling in ("sync", "async"):
+            result = sx._run(
+                Path(model_dir), sim_profile, num_stages, scheduling, "gpu", None, out, device_args
+            )
+            points.append(sx.Point("gpu", label, num_stages, scheduling, None, result))
+    print("\nsync vs async, real GPU beside the simulated device ('arrival' column):")
+    print(sx.experiment_table(points))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory for a greedy triton-vs-torch check")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --model: 2 stages sync vs async on this GPU with the real weights, beside "
+        "the same stacks simulated on --sim-profile (issue 16's comparison)",
+    )
+    parser.add_argument("--sim-profile", default="h100", help="the simulated twin (default: h100)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -284,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         time_pointwise(device)
     if args.model and not check_generation(args.model, device):
         failures.append("greedy generation: triton and torch differ in the first 8 tokens")
+    if args.model and args.pipeline:
+        compare_pipeline(args.model, args.sim_profile)
     print("\n" + ("all checks passed" if not failures else "FAILURES:\n  " + "\n  ".join(failures)))
     return 1 if failures else 0
 

@@ -124,13 +124,18 @@ def _run(
     workload: str,
     rate: float | None,
     results_dir: Path,
+    device_args: list[str] | None = None,
 ) -> dict:
+    """One stack, one workload. `device_args` replace the sim device's (e.g. a real
+    `--device cuda` beside the simulated one, services/bench/check_gpu.py)."""
     num_prompts, input_len, output_len = WORKLOADS[workload]
-    key = f"sim-{Path(profile).stem}-{workload}-{'poisson' if rate else 'burst'}-p{num_stages}-{scheduling}"
+    device = "sim-" + Path(profile).stem if device_args is None else "real"
+    arrival = "poisson" if rate else "burst"
+    key = f"{device}-{workload}-{arrival}-p{num_stages}-{scheduling}"
     mode = Mode(key, key, stages=num_stages, scheduling=scheduling, threads=1)
-    stack = start_stack(
-        model, mode, results_dir, extra_args=["--device", "sim", "--sim-profile", profile]
-    )
+    if device_args is None:
+        device_args = ["--device", "sim", "--sim-profile", profile]
+    stack = start_stack(model, mode, results_dir, extra_args=device_args)
     try:
         options = DriverOptions(progress=False, request_rate=rate or float("inf"))
         print(f"--- {key}", flush=True)

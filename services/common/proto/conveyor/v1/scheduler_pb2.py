@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.conveyor.v1 import common_pb2 as conveyor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"\xc6\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x11\n\tprincipal\x18\x07 \x01(\t\x12\x13\n\x0bowner_token\x18\x08 \x01(\t\"\xe8\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"J\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"`\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_offset\x18\x02 \x01(\r\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x13\n\x0bowner_token\x18\x04 \x01(\t\"*\n\x0fGetStatsRequest\x12\x17\n\x0freset_timelines\x18\x01 \x01(\x08\"\xaa\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1b\n\x13num_preempted_total\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x15\n\rfragmentation\x18\x08 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x12\n\nnum_stages\x18\n \x01(\r\x12\x0f\n\x07serving\x18\x0b \x01(\x08\x12\x12\n\nscheduling\x18\x0c \x01(\t\x12\x14\n\x0cnum_inflight\x18\r \x01(\r\x12\x17\n\x0f\x62ubble_fraction\x18\x0e \x03(\x01\x12\x11\n\tnum_steps\x18\x0f \x01(\x04\x12\x18\n\x10mean_schedule_us\x18\x10 \x01(\x01\x12\x46\n\x0erequest_blocks\x18\x11 \x03(\x0b\x32..conveyor.v1.SchedulerStats.RequestBlocksEntry\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x1a\n\x12not_serving_reason\x18\x13 \x01(\t\x1a\x34\n\x12RequestBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\x94\x02\n\tScheduler\x12?\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x17.conveyor.v1.TokenDelta0\x01\x12>\n\x05\x41\x62ort\x12\x19.conveyor.v1.AbortRequest\x1a\x1a.conveyor.v1.AbortResponse\x12?\n\x06Resume\x12\x1a.conveyor.v1.ResumeRequest\x1a\x17.conveyor.v1.TokenDelta0\x01\x12\x45\n\x08GetStats\x12\x1c.conveyor.v1.GetStatsRequest\x1a\x1b.conveyor.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63onveyor/v1/scheduler.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"4\n\x0cPauseRequest\x12$\n\x04mode\x18\x01 \x01(\x0e\x32\x16.conveyor.v1.PauseMode\"\x10\n\x0eUnpauseRequest\"\x99\x01\n\nPauseState\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12$\n\x04mode\x18\x02 \x01(\x0e\x32\x16.conveyor.v1.PauseMode\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x13\n\x0bnum_aborted\x18\x05 \x01(\r\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\"d\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\x16\n\x0erecompute_kept\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\"\x87\x02\n\x15UpdateWeightsProgress\x12\x37\n\x05phase\x18\x01 \x01(\x0e\x32(.conveyor.v1.UpdateWeightsProgress.Phase\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\x12\x0f\n\x07stage_s\x18\x05 \x01(\x01\x12\x10\n\x08\x63ommit_s\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\"C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPHASE_RECEIVING\x10\x01\x12\x0e\n\nPHASE_DONE\x10\x02\"X\n\x19InitWeightTransferRequest\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"0\n\x1aInitWeightTransferResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\"\xc6\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x11\n\tprincipal\x18\x07 \x01(\t\x12\x13\n\x0bowner_token\x18\x08 \x01(\t\"\x80\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x16\n\x0eweight_version\x18\t \x01(\x04\"J\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"`\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_offset\x18\x02 \x01(\r\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12\x13\n\x0bowner_token\x18\x04 \x01(\t\"*\n\x0fGetStatsRequest\x12\x17\n\x0freset_timelines\x18\x01 \x01(\x08\"\x9a\x05\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1b\n\x13num_preempted_total\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x15\n\rfragmentation\x18\x08 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x12\n\nnum_stages\x18\n \x01(\r\x12\x0f\n\x07serving\x18\x0b \x01(\x08\x12\x12\n\nscheduling\x18\x0c \x01(\t\x12\x14\n\x0cnum_inflight\x18\r \x01(\r\x12\x17\n\x0f\x62ubble_fraction\x18\x0e \x03(\x01\x12\x11\n\tnum_steps\x18\x0f \x01(\x04\x12\x18\n\x10mean_schedule_us\x18\x10 \x01(\x01\x12\x46\n\x0erequest_blocks\x18\x11 \x03(\x0b\x32..conveyor.v1.SchedulerStats.RequestBlocksEntry\x12\x12\n\nblock_size\x18\x12 \x01(\r\x12\x1a\n\x12not_serving_reason\x18\x13 \x01(\t\x12\x0e\n\x06paused\x18\x14 \x01(\x08\x12*\n\npause_mode\x18\x15 \x01(\x0e\x32\x16.conveyor.v1.PauseMode\x12\x16\n\x0eweight_version\x18\x16 \x01(\x04\x12\x1a\n\x12num_weight_updates\x18\x17 \x01(\r\x1a\x34\n\x12RequestBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xd3\x04\n\tScheduler\x12?\n\x06Submit\x12\x1a.conveyor.v1.SubmitRequest\x1a\x17.conveyor.v1.TokenDelta0\x01\x12>\n\x05\x41\x62ort\x12\x19.conveyor.v1.AbortRequest\x1a\x1a.conveyor.v1.AbortResponse\x12?\n\x06Resume\x12\x1a.conveyor.v1.ResumeRequest\x1a\x17.conveyor.v1.TokenDelta0\x01\x12\x45\n\x08GetStats\x12\x1c.conveyor.v1.GetStatsRequest\x1a\x1b.conveyor.v1.SchedulerStats\x12;\n\x05Pause\x12\x19.conveyor.v1.PauseRequest\x1a\x17.conveyor.v1.PauseState\x12?\n\x07Unpause\x12\x1b.conveyor.v1.UnpauseRequest\x1a\x17.conveyor.v1.PauseState\x12X\n\rUpdateWeights\x12!.conveyor.v1.UpdateWeightsRequest\x1a\".conveyor.v1.UpdateWeightsProgress0\x01\x12\x65\n\x12InitWeightTransfer\x12&.conveyor.v1.InitWeightTransferRequest\x1a\'.conveyor.v1.InitWeightTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._loaded_options = None
   _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._serialized_options = b'8\001'
-  _globals['_SUBMITREQUEST']._serialized_start=71
-  _globals['_SUBMITREQUEST']._serialized_end=269
-  _globals['_TOKENDELTA']._serialized_start=272
-  _globals['_TOKENDELTA']._serialized_end=504
-  _globals['_ABORTREQUEST']._serialized_start=506
-  _globals['_ABORTREQUEST']._serialized_end=580
-  _globals['_ABORTRESPONSE']._serialized_start=582
-  _globals['_ABORTRESPONSE']._serialized_end=614
-  _globals['_RESUMEREQUEST']._serialized_start=616
-  _globals['_RESUMEREQUEST']._serialized_end=712
-  _globals['_GETSTATSREQUEST']._serialized_start=714
-  _globals['_GETSTATSREQUEST']._serialized_end=756
-  _globals['_SCHEDULERSTATS']._serialized_start=759
-  _globals['_SCHEDULERSTATS']._serialized_end=1313
-  _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._serialized_start=1261
-  _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._serialized_end=1313
-  _globals['_SCHEDULER']._serialized_start=1316
-  _globals['_SCHEDULER']._serialized_end=1592
+  _globals['_PAUSEMODE']._serialized_start=2187
+  _globals['_PAUSEMODE']._serialized_end=2290
+  _globals['_PAUSEREQUEST']._serialized_start=70
+  _globals['_PAUSEREQUEST']._serialized_end=122
+  _globals['_UNPAUSEREQUEST']._serialized_start=124
+  _globals['_UNPAUSEREQUEST']._serialized_end=140
+  _globals['_PAUSESTATE']._serialized_start=143
+  _globals['_PAUSESTATE']._serialized_end=296
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=298
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=398
+  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_start=401
+  _globals['_UPDATEWEIGHTSPROGRESS']._serialized_end=664
+  _globals['_UPDATEWEIGHTSPROGRESS_PHASE']._serialized_start=597
+  _globals['_UPDATEWEIGHTSPROGRESS_PHASE']._serialized_end=664
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_start=666
+  _globals['_INITWEIGHTTRANSFERREQUEST']._serialized_end=754
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_start=756
+  _globals['_INITWEIGHTTRANSFERRESPONSE']._serialized_end=804
+  _globals['_SUBMITREQUEST']._serialized_start=807
+  _globals['_SUBMITREQUEST']._serialized_end=1005
+  _globals['_TOKENDELTA']._serialized_start=1008
+  _globals['_TOKENDELTA']._serialized_end=1264
+  _globals['_ABORTREQUEST']._serialized_start=1266
+  _globals['_ABORTREQUEST']._serialized_end=1340
+  _globals['_ABORTRESPONSE']._serialized_start=1342
+  _globals['_ABORTRESPONSE']._serialized_end=1374
+  _globals['_RESUMEREQUEST']._serialized_start=1376
+  _globals['_RESUMEREQUEST']._serialized_end=1472
+  _globals['_GETSTATSREQUEST']._serialized_start=1474
+  _globals['_GETSTATSREQUEST']._serialized_end=1516
+  _globals['_SCHEDULERSTATS']._serialized_start=1519
+  _globals['_SCHEDULERSTATS']._serialized_end=2185
+  _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._serialized_start=2133
+  _globals['_SCHEDULERSTATS_REQUESTBLOCKSENTRY']._serialized_end=2185
+  _globals['_SCHEDULER']._serialized_start=2293
+  _globals['_SCHEDULER']._serialized_end=2888
 # @@protoc_insertion_point(module_scope)

@@ -106,11 +106,11 @@ def broadcast_state_dict(group: dist.ProcessGroup, tensors: dict[str, torch.Tens
     prepared = {name: _sendable(name, t) for name, t in tensors.items()}
     manifest = encode_manifest(TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in prepared.items())
     header = torch.tensor([PROTOCOL_VERSION, len(manifest)], dtype=torch.int64)
-    group.broadcast([header], 0).wait()
-    group.broadcast([torch.frombuffer(bytearray(manifest), dtype=torch.uint8)], 0).wait()
+    group.broadcast(header, 0).wait()
+    group.broadcast(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), 0).wait()
     num_bytes = 0
     for tensor in prepared.values():
-        group.broadcast([tensor], 0).wait()
+        group.broadcast(tensor, 0).wait()
         num_bytes += tensor.numel() * tensor.element_size()
     return num_bytes
 
@@ -128,7 +128,7 @@ def receive_state_dict(
 ) -> dict[str, torch.Tensor]:
     """A stage (rank > 0): receives one update; returns the tensors `wants` keeps."""
     header = torch.empty(2, dtype=torch.int64)
-    group.broadcast([header], 0).wait()
+    group.broadcast(header, 0).wait()
     version, length = header.tolist()
     if version != PROTOCOL_VERSION or not 0 < length <= MAX_MANIFEST_BYTES:
         raise TransferError(
@@ -137,7 +137,7 @@ def receive_state_dict(
             f"{MAX_MANIFEST_BYTES} bytes): use the same Conveyor version on both sides"
         )
     raw = torch.empty(length, dtype=torch.uint8)
-    group.broadcast([raw], 0).wait()
+    group.broadcast(raw, 0).wait()
     kept: dict[str, torch.Tensor] = {}
     scratch: dict[torch.dtype, torch.Tensor] = {}
     for spec in decode_manifest(raw.numpy().tobytes()):
@@ -149,5 +149,5 @@ def receive_state_dict(
             if scratch.get(spec.dtype) is None or scratch[spec.dtype].numel() < numel:
                 scratch[spec.dtype] = torch.empty(numel, dtype=spec.dtype)
             buf = scratch[spec.dtype][:numel].view(spec.shape)
-        group.broadcast([buf], 0).wait()
+        group.broadcast(buf, 0).wait()
     return kept

@@ -468,6 +468,14 @@ class SchedulerService:
         await self._quiet.wait()
         return num_aborted
 
+    def restore_pause(self, mode: PauseMode | None) -> None:
+        """Back to the pause state `mode` (None: unpaused) without waiting for it to hold."""
+        if mode is None:
+            self.unpause()
+        else:
+            self.pause_mode = self.scheduler.pause_mode = mode
+            self._wake.set()
+
     def unpause(self) -> None:
         if self.scheduler is not None:
             self.scheduler.pause_mode = None

@@ -2,8 +2,8 @@
 
 An update, atomic per pipeline:
 
-    pause      KEEP (unless already paused): no new step is planned, the steps in flight
-               finish, so no step ever runs on a mix of old and new weights
+    pause      KEEP (ABORT stays ABORT): no new step is planned, the steps in flight finish,
+               so no step ever runs on a mix of old and new weights
     stage      every stage reads (files) or receives (trainer) its own tensors into fresh
                modules beside the live ones; trainer: RECEIVING tells the caller to broadcast
     commit     only when every stage staged: each swaps them in; otherwise each drops them
@@ -110,8 +110,8 @@ class WeightControl:
                 )
             t0 = time.perf_counter()
             previous = service.pause_mode
-            if previous is None:
-                await service.pause(PauseMode.KEEP)
+            # WAIT still steps running requests: freeze them too while the weights change.
+            await service.pause(PauseMode.ABORT if previous is PauseMode.ABORT else PauseMode.KEEP)
             try:
                 t_paused = time.perf_counter()
                 stream = self._stage(path, layer_ids, version)
@@ -124,8 +124,7 @@ class WeightControl:
                 service.weights_changed(version, recompute_kept)
                 t_done = time.perf_counter()
             finally:
-                if previous is None:
-                    service.unpause()
+                service.restore_pause(previous)
             logger.info(
                 "weights version %d from %s: %d tensors in %.2f s (staging %.2f s)",
                 version,

@@ -3,77 +3,15 @@ P = 1 and 2, sync and async; greedy output equals HF on the new weights each tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 import pytest
-import torch
 
 from services.client.rl import EngineControl
-from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2
+from services.common.proto.conveyor.v1 import scheduler_pb2
 from tests.integration.utils import ProcessStack
-from tests.integration.weights_utils import hf_greedy, load_hf, save_model, training_step
-from tests.worker.utils import compare_greedy
+from tests.integration.weights_utils import assert_matches
 
 pytestmark = pytest.mark.slow
-
-MAX_NEW = 10
-TIE_MARGIN = 0.01
-
-
-@dataclass
-class Weights:
-    """Three sets of weights and HF's greedy continuations of `prompts` under each."""
-
-    prompts: list[list[int]]
-    original: tuple
-    trained_dir: object
-    """A model directory: the original after one training step."""
-    trained: tuple
-    pushed_state: dict[str, torch.Tensor]
-    """The trained model after a second step, as a trainer holds it (its state dict)."""
-    pushed: tuple
-
-
-@pytest.fixture(scope="module")
-def weights(smollm2_dir, smollm2_prompts, tmp_path_factory) -> Weights:
-    torch.set_num_threads(2)
-    # A short prompt, and one over 2 KV blocks (its prefix is cached across updates).
-    prompts = [smollm2_prompts[0], smollm2_prompts[13] + smollm2_prompts[1]]
-    model = load_hf(smollm2_dir)
-    original = hf_greedy(model, prompts, MAX_NEW)
-    training_step(model, seed=0)
-    trained_dir = save_model(model, smollm2_dir, tmp_path_factory.mktemp("trained"))
-    trained = hf_greedy(model, prompts, MAX_NEW)
-    training_step(model, seed=1)
-    pushed = hf_greedy(model, prompts, MAX_NEW)
-    assert original[0] != trained[0] != pushed[0], "the training steps must change the output"
-    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    return Weights(prompts, original, trained_dir, trained, state, pushed)
-
-
-def generate(stack: ProcessStack, prompt: list[int], max_tokens: int = MAX_NEW, **sampling):
-    """(tokens, finish reason, weight versions seen, error) of one request."""
-    request = scheduler_pb2.SubmitRequest(
-        request_id=f"w-{torch.randint(0, 2**62, ()).item()}",
-        prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
-    )
-    tokens, versions, finish, error = [], set(), 0, ""
-    for delta in stack.stub.Submit(request, timeout=300):
-        tokens.extend(delta.token_ids)
-        if delta.token_ids:
-            versions.add(delta.weight_version)
-        finish, error = delta.finish_reason, delta.error or error
-    return tokens, finish, versions, error
-
-
-def assert_matches(stack: ProcessStack, prompts, reference, version: int) -> None:
-    ref_tokens, ref_logits = reference
-    for prompt, ref, logits in zip(prompts, ref_tokens, ref_logits, strict=True):
-        tokens, _, versions, _ = generate(stack, prompt)
-        compare_greedy(tokens, ref, logits, TIE_MARGIN)
-        assert versions == {version}
 
 
 @pytest.mark.parametrize(

@@ -134,8 +134,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Swaps the model's weights on every stage at once: pauses (keep, unless already paused),
-        lets the steps in flight finish, has every stage stage the new tensors (from files, or
+        """Swaps the model's weights on every stage at once: freezes stepping (as KEEP), lets the
+        steps in flight finish, has every stage stage the new tensors (from files, or
         from the trainer's broadcast), commits them on all stages or on none, invalidates the
         prefix cache and restores the previous pause state. Streams RECEIVING (trainer only:
         broadcast now) and then DONE.

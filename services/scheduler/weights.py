@@ -99,9 +99,13 @@ class WeightControl:
         if self._lock.locked():
             raise InvalidRequest("another weight update is running: wait for it to finish")
         async with self._lock:
-            if service.scheduler is None or not service.serving:
+            if service.scheduler is None or not service.is_pipeline_whole:
                 raise PipelineUnavailable(
-                    f"the pipeline is not serving ({service.not_serving_reason})"
+                    f"the pipeline is not whole ({service.not_serving_reason}): retry once it is"
+                )
+            if service.stages_disagree and layer_ids:
+                raise InvalidRequest(
+                    f"{service.not_serving_reason}: reload every layer (no `layers`)"
                 )
             version = version or service.weight_version + 1
             if version <= service.weight_version:

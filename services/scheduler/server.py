@@ -8,33 +8,18 @@ import os
 
 import grpc
 
-from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
+from services.common.pb import sampling_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.serving import GrpcServer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.ownership import request_key
 from services.scheduler.pipeline import Pipeline
 from services.scheduler.service import SchedulerService
-from services.scheduler.state import TokenDelta
+from services.scheduler.session import RouterSession, delta_to_pb
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-
-
-def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
-    msg = scheduler_pb2.TokenDelta(
-        request_id=delta.request_id,
-        offset=delta.offset,
-        token_ids=delta.token_ids,
-        finish_reason=FINISH_TO_PB[delta.finish_reason],
-        num_cached_tokens=delta.num_cached_tokens,
-    )
-    if delta.error:
-        msg.error = delta.error
-    if delta.logprobs:
-        msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)
-    return msg
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -79,6 +64,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         key = request_key(request.principal, request.request_id)
         async for delta in self.service.resume(key, request.from_offset, request.owner_token):
             yield delta_to_pb(delta)
+
+    async def Session(self, request_iterator, context):
+        session = RouterSession(self.service, traceparents=self.service.observer is not None)
+        async for response in session.run(request_iterator):
+            yield response
 
     async def GetStats(self, request, context):
         return await stats_to_pb(self.service, reset_timelines=request.reset_timelines)

@@ -85,6 +85,9 @@ async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed:
     result = summarize(outputs, duration)
     if probe:
         result |= await probe.finish()
+        if result.get("total_output_tokens"):
+            cpu_us = 1e6 * result["scheduler_cpu_s"]
+            result["scheduler_cpu_per_token_us"] = cpu_us / result["total_output_tokens"]
     errors = sorted({o.error for o in outputs if not o.success})
     if errors:
         result["errors"] = errors[:5]

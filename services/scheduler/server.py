@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import grpc
 
@@ -83,6 +84,7 @@ async def stats_to_pb(
         scheduling=service.config.scheduling.value,
         num_steps=service.counters.num_steps,
         not_serving_reason=service.not_serving_reason or "",
+        cpu_seconds=time.process_time(),
     )
     core = service.scheduler
     if core is None:

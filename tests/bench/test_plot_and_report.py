@@ -54,6 +54,9 @@ def test_result_table_shows_scheduler_rows_only_with_a_scheduler():
     assert "Bubble" not in result_table(base)
     table = result_table(base | {"bubble_fraction": [0.1, 0.02], "preemptions": 0})
     assert "10.0%, 2.0%" in table and "12.50" in table
+    cpu = {"plans_per_s": 512.25, "scheduler_cpu_per_plan_us": 1234.4}
+    table = result_table(base | cpu | {"scheduler_cpu_per_token_us": 38.57})
+    assert "512.2" in table and "1234" in table and "38.6" in table
 
 
 def test_ratios_against_the_issue_targets():

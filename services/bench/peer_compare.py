@@ -22,9 +22,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.bench.compare import MODES, _run_mode
+from services.bench.cpu import CpuMeter
 from services.bench.datasets import BenchRequest
 from services.bench.driver import DriverOptions
-from services.bench.limits import MachineLimits, WorkModel, measure_limits
+from services.bench.limits import WorkModel, measure_limits
 from services.bench.peer_table import limits_note, medians, peers_table, ratios_table, target_ratios
 from services.bench.peers import openvino, vllm
 from services.bench.peers.venv import PeerVenv, peers_dir
@@ -93,14 +94,18 @@ def _one_round(args, peers, venvs, model_dir, workload, options, round_dir, requ
     return results, requests
 
 
-def _report(args, workload, model_dir, limits: MachineLimits, rounds) -> tuple[dict, str]:
+def _report(args, workload, model_dir, measured, rounds) -> tuple[dict, str]:
+    """(peers.json's content, the printed tables); `measured` = (limits, CpuMeter reading
+    while they were measured)."""
+    limits, limits_cpu = measured
     work = WorkModel.from_model_dir(model_dir)
     table = medians(rounds)
     ratio_rows = target_ratios(table)
     text = "\n\n".join(
         [
             peers_table(table, work, workload, limits),
-            limits_note(work, workload, limits),
+            limits_note(work, workload, limits)
+            + f" Others' cores while measuring the limits: {limits_cpu.get('other_cores', '-')}.",
             ratios_table(ratio_rows),
         ]
     )
@@ -115,6 +120,7 @@ def _report(args, workload, model_dir, limits: MachineLimits, rounds) -> tuple[d
         "workload": asdict(workload),
         "dtype": args.dtype,
         "limits": asdict(limits),
+        "limits_cpu": limits_cpu,
         "medians": table,
         "ratios": ratio_rows,
         "rounds": rounds,
@@ -133,7 +139,10 @@ def run_peer_compare(args: argparse.Namespace, workload: Workload, options: Driv
     if "vllm" in venvs:
         vllm.fix_distribution(venvs["vllm"])
     print(f"--- measuring this machine's limits ({args.dtype})", flush=True)
+    meter = CpuMeter([os.getpid()])
+    meter.start()
     limits = measure_limits(args.dtype)
+    limits_cpu = meter.stop()
     rounds, requests = [], None
     for number in range(1, args.rounds + 1):
         round_dir = results_dir / f"round-{number}"
@@ -143,7 +152,7 @@ def run_peer_compare(args: argparse.Namespace, workload: Workload, options: Driv
             args, peers, venvs, model_dir, workload, options, round_dir, requests
         )
         rounds.append(results)
-    report, text = _report(args, workload, model_dir, limits, rounds)
+    report, text = _report(args, workload, model_dir, (limits, limits_cpu), rounds)
     out = results_dir / "peers.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{report['date']}, {report['machine']['cpu']}, {report['command']}\n", flush=True)

@@ -12,7 +12,7 @@ import pytest
 from services.bench import cli
 from services.bench.datasets import BenchRequest
 from services.bench.limits import MachineLimits, WorkModel
-from services.bench.peer_compare import _workload_of, parse_peers
+from services.bench.peer_compare import _report, _workload_of, parse_peers
 from services.bench.peer_table import medians, peers_table, shares, target_ratios
 from services.bench.peers import openvino, vllm
 from services.bench.peers.venv import STAMP, UNUSABLE, PeerVenv, peers_dir
@@ -279,3 +279,16 @@ def test_peer_only_flags_need_compare_peers():
     with pytest.raises(SystemExit, match="leave out --device sim"):
         cli._check_peer_flags(_args("--compare", "--peers", "vllm", "--device", "sim"))
     cli._check_peer_flags(_args("--compare", "--peers", "vllm,openvino", "--rounds", "2"))
+
+
+def test_report_holds_every_round_the_medians_ratios_and_limits():
+    limits = MachineLimits(matmul_gflops=527.0, read_gbps=42.0, threads=2, dtype="float32")
+    args = argparse.Namespace(dtype="float32")
+    report, text = _report(args, WORKLOAD, SMOLLM2_CONFIG, (limits, {"other_cores": 0.5}), ROUNDS)
+    assert report["rounds"] == ROUNDS and report["limits"]["read_gbps"] == 42.0
+    assert report["medians"]["vllm"]["output_throughput"] == 510.0
+    assert report["limits_cpu"] == {"other_cores": 0.5}
+    assert {r["name"] for r in report["ratios"]} >= {"throughput, 2 stages async / vLLM"}
+    assert "Others' cores while measuring the limits: 0.5." in text
+    assert "4.07 TFLOP" in text and "ratio (medians)" in text
+    json.dumps(report)  # peers.json

@@ -5,11 +5,16 @@ behind `make bench-peers`)."""
 import argparse
 import importlib.metadata
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from services.bench import cli
+from services.bench.cpu import CpuMeter
 from services.bench.datasets import BenchRequest
 from services.bench.limits import MachineLimits, WorkModel
 from services.bench.peer_compare import _report, _workload_of, parse_peers
@@ -292,3 +297,15 @@ def test_report_holds_every_round_the_medians_ratios_and_limits():
     assert "Others' cores while measuring the limits: 0.5." in text
     assert "4.07 TFLOP" in text and "ratio (medians)" in text
     json.dumps(report)  # peers.json
+
+
+def test_cpu_meter_counts_a_child_that_ran_and_exited_inside_the_window_as_ours():
+    # `vllm bench serve` runs as such a child of the bench process
+    meter = CpuMeter([os.getpid()])
+    start = time.monotonic()
+    meter.start()
+    burn = "import time\nwhile time.process_time() < 0.3: pass"  # 0.3 s of CPU, by construction
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    reading = meter.stop()
+    cpu_seconds = reading["ours_cores"] * (time.monotonic() - start)
+    assert cpu_seconds >= 0.25

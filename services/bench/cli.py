@@ -128,6 +128,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--skip-hf", action="store_true", help="leave out the transformers baseline"
     )
+    compare.add_argument(
+        "--peers",
+        default=None,
+        help="compare with these CPU engines instead of transformers: vllm,openvino (each "
+        "built in its own virtualenv under --peers-dir on first use)",
+    )
+    compare.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--peers: run every system this many times, alternating; medians (default: 1)",
+    )
+    compare.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="--peers: the dtype of Conveyor's stacks and of the peers (default: float32)",
+    )
+    compare.add_argument(
+        "--peers-dir",
+        default=None,
+        help="--peers: where the peers' virtualenvs live "
+        "(default: $CONVEYOR_PEERS_DIR or ~/.cache/conveyor/peers)",
+    )
     # --compare --device sim: services/bench/sim_experiment.py
     group = parser.add_argument_group("--compare --device sim")
     group.add_argument(
@@ -176,9 +200,20 @@ def _workload(args: argparse.Namespace):
     )
 
 
+def _check_peer_flags(args: argparse.Namespace) -> None:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
+    peer_only = args.rounds != 1 or args.dtype != "float32" or args.peers_dir
+    if peer_only and not (args.compare and args.peers):
+        raise SystemExit("--rounds, --dtype and --peers-dir go with --compare --peers")
+    if args.peers and args.device != "cpu":
+        raise SystemExit("--peers runs on the CPU: leave out --device sim")
+
+
 def run(args: argparse.Namespace) -> int:
     from services.bench.driver import DriverOptions
 
+    _check_peer_flags(args)
     options = DriverOptions(
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
@@ -193,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
         from services.bench.sim_experiment import run_sim_compare
 
         return run_sim_compare(args)
+    if args.compare and args.peers:
+        from services.bench.peer_compare import run_peer_compare
+
+        return run_peer_compare(args, _workload(args), options)
     if args.compare:
         from services.bench.compare import run_compare
 

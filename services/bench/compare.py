@@ -88,8 +88,9 @@ def _run_mode(
     options: DriverOptions,
     results_dir: Path,
     requests: list[BenchRequest] | None,
+    extra_args: list[str] | None = None,
 ):
-    stack = start_stack(model_dir, mode, results_dir)
+    stack = start_stack(model_dir, mode, results_dir, extra_args=extra_args)
     try:
         if requests is None:
             requests = workload.build(asyncio.run(token_pool(stack.router)))

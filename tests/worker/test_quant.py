@@ -171,3 +171,22 @@ def test_worker_config_validates_quantization(tmp_path):
     assert WorkerConfig(str(tmp_path), quantization="int8").quantization == "int8"
     with pytest.raises(ConfigError, match="quantization='int4' is unknown"):
         WorkerConfig(str(tmp_path), quantization="int4")
+
+
+def test_metrics_say_what_is_quantized(tmp_path):
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.worker.observability import QuantizationCollector
+
+    model_dir = make_tiny_model(tmp_path, num_layers=2)
+    model = load_quantized_stage(model_dir, stage_spec(2, 1, 0), "float32", "int8")
+    servicer = SimpleNamespace(engine=None)
+    registry = CollectorRegistry()
+    registry.register(QuantizationCollector(0, servicer))
+    assert b"quantized" not in generate_latest(registry)  # nothing loaded yet
+    servicer.engine = SimpleNamespace(runner=SimpleNamespace(model=model))
+    text = generate_latest(registry).decode()
+    assert 'conveyor:stage_quantized_linears{quantization="int8",stage="0"} 8.0' in text
+    assert f"{model.quantization.weight_bytes}" in text.replace(".0\n", "\n")

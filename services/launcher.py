@@ -35,7 +35,7 @@ from services.common.security import (
     check_tls_files,
 )
 from services.worker.cli import add_sim_arguments
-from services.worker.config import DEVICES, WorkerConfig
+from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 argv += ["--layer-split", args.layer_split]
             if args.linear_backend != "auto":
                 argv += ["--linear-backend", args.linear_backend]
+            if args.quantization:
+                argv += ["--quantization", args.quantization]
             if pinned:
                 argv += ["--cpu-affinity", ",".join(map(str, pinned[stage]))]
             argv += _device_args(args)
@@ -420,6 +422,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="workers' weight-only quantization, per output channel at load "
+        "(default: the checkpoint's own)",
+    )
     parser.add_argument(
         "--device",
         choices=list(DEVICES),

@@ -9,7 +9,7 @@ import os
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.config import default_of
     from services.common.security import add_internal_token_argument, add_tls_arguments
-    from services.worker.config import DEVICES, WorkerConfig
+    from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
 
     def default(name: str):
         return default_of(WorkerConfig, name)
@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=default("dtype")
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="weight-only quantization of the decoder layers' linears, per output channel, "
+        "at load (default: the checkpoint's own; FP8 checkpoints stay fp8)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -174,6 +181,7 @@ def build_config(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.threads,

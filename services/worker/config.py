@@ -17,6 +17,8 @@ DEVICES = ("cpu", "cuda", "sim")
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+QUANTIZATIONS = ("int8", "fp8")
+"""`--quantization`: weight-only, per output channel (services/worker/model/quant.py)."""
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 """`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
@@ -50,6 +52,10 @@ class WorkerConfig:
     forward pass replaced by a timing model; docs/simulation.md)."""
     num_threads: int | None = None
     """`--threads`: torch intra-op threads on CPU; None: this machine's cores / stages."""
+    quantization: str | None = None
+    """`--quantization`: "int8" or "fp8" weights for the decoder layers' linears, quantized
+    per output channel at load; None: the checkpoint's own (FP8 checkpoints stay FP8),
+    else unquantized. Embeddings, norms and the logits stay in `dtype`."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
     "auto" takes oneDNN wherever it is supported."""
@@ -144,6 +150,11 @@ class WorkerConfig:
             check_endpoint(self.otlp_endpoint)
         if self.device == "sim":
             self._check_sim()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r} is unknown: choose one of "
+                f"{list(QUANTIZATIONS)}"
+            )
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(
                 f"linear_backend={self.linear_backend!r} is unknown: choose one of "

@@ -23,7 +23,8 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import StageModel
-from services.worker.model.loader import load_stage_model, resolve_dtype
+from services.worker.model.loader import resolve_dtype
+from services.worker.model.quant import load_quantized_stage
 from services.worker.model.stages import logits_layer_equivalents, stage_spec
 from services.worker.sampler import Sampler, SamplingBatch
 
@@ -105,11 +106,12 @@ class StageRunner:
             config.layer_split,
             last_stage_extra=logits_cost,
         )
-        model = load_stage_model(
+        model = load_quantized_stage(
             config.model_dir,
             stage,
             config.dtype,
-            config.effective_attention_backend,
+            config.quantization,
+            attention_backend=config.effective_attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
         ).to(config.device)
         if config.uses_onednn:

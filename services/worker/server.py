@@ -97,6 +97,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             vocab_size=runner.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
             device=runner.device_kind,
+            quantization=runner.model.quantization.method if runner.model.quantization else "",
         )
 
     async def GetTimeline(self, request, context):

@@ -127,6 +127,8 @@ class StageModel(nn.Module):
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.lm_head: PackedLinear | None = None
         """The logits matmul in oneDNN's layout, once `use_onednn()` ran (last stage only)."""
+        self.quantization = None
+        """The layers' weight quantization (model/quant.py `QuantSummary`), None: none."""
         self.requires_grad_(False)
 
     def use_onednn(self) -> None:

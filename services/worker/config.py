@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads
 from services.common.config import parse_addr
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, ModelLoadError
 from services.common.units import parse_bytes
 from services.worker.model.stages import MAX_STAGES
 
@@ -130,6 +130,15 @@ class WorkerConfig:
                 "tensor_parallel_size > 1 runs real ranks; a simulated stage models them with "
                 "--sim-tensor-parallel-size instead"
             )
+        if self.tensor_parallel_size > 1:
+            from services.worker.model.config import ModelConfig
+            from services.worker.model.tensor_parallel import check_tensor_parallel
+
+            try:
+                model = ModelConfig.from_dir(self.model_dir)
+            except ModelLoadError as exc:
+                raise ConfigError(str(exc)) from exc
+            check_tensor_parallel(model, self.tensor_parallel_size, source=self.model_dir)
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"block_size={self.block_size} is not supported: use one of {BLOCK_SIZES}"

@@ -82,7 +82,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device")
+    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device", "tp_rank", "tensor_parallel_size")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,8 @@ class DescribeResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     first_layer: int
@@ -107,7 +109,9 @@ class DescribeResponse(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ...) -> None: ...
+    tp_rank: int
+    tensor_parallel_size: int
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("include_steps", "reset")

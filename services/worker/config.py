@@ -219,10 +219,13 @@ class WorkerConfig:
 
     @property
     def rank_device(self) -> str:
-        """Where this rank computes: on CUDA with T > 1, GPU `tp_rank` of the ones visible
-        (a stage is one pod or host holding its T GPUs); else `device`."""
+        """Where this rank computes: on CUDA with T > 1, GPU `tp_rank` when this process sees
+        the stage's T GPUs (one host or container holding them), else the one it sees (a
+        container given one GPU each); otherwise `device`."""
         if self.device == "cuda" and self.tensor_parallel_size > 1:
-            return f"cuda:{self.tp_rank}"
+            import torch
+
+            return f"cuda:{self.tp_rank % max(torch.cuda.device_count(), 1)}"
         return self.device
 
     @property

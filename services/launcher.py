@@ -343,10 +343,11 @@ def check_parallel(args: argparse.Namespace) -> int:
         have, what = torch.cuda.device_count(), "GPUs"
     else:
         have, what = len(available_cpus()), "cores"
-    if num_ranks > have:
+    if num_ranks > have and not (args.device == "cpu" and getattr(args, "oversubscribe", False)):
         raise ConfigError(
             f"--tensor-parallel-size={tp_size} x --pipeline-parallel-size={args.stages} = "
             f"{num_ranks} worker processes, but this machine has {have} {what}"
+            + (" (--oversubscribe allows it on CPU)" if args.device == "cpu" else "")
         )
     return tp_size
 
@@ -444,6 +445,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks per stage, one worker process each; stages x ranks must "
         "not exceed the cores (CPU) or GPUs (CUDA) (default: 1)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="CPU: allow more worker processes (stages x tp ranks) than cores, e.g. to "
+        "measure tensor parallelism on a small machine (default: refused)",
     )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
     parser.add_argument(

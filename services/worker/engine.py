@@ -45,6 +45,8 @@ class StepRecord:
     start_ns: int
     end_ns: int
     wait_ns: int
+    collective_ns: int = 0
+    """Of the compute, the time in tensor-parallel collectives (model/tensor_parallel.py)."""
 
 
 @dataclass(slots=True)
@@ -226,7 +228,10 @@ class StageEngine:
             if session.is_stale:
                 return None
             t_start = time.time_ns()
+            tp = getattr(self.runner.model, "tp", None)
+            comm_before = tp.comm_ns if tp is not None else 0
             out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            collective_ns = tp.comm_ns - comm_before if tp is not None else 0
             if self.transport.is_first and takes_tokens:
                 ids = self._sampling_request_ids(plan)
                 if ids:
@@ -246,6 +251,7 @@ class StageEngine:
             t_start,
             t_end,
             t_start - t_wait,
+            collective_ns,
         )
         if plan.num_requests:
             self.timeline.add(record)

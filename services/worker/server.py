@@ -126,6 +126,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     start_ns=r.start_ns,
                     end_ns=r.end_ns,
                     wait_ns=r.wait_ns,
+                    collective_ns=r.collective_ns,
                 )
                 for r in timeline.records
             )

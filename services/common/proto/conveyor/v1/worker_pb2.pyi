@@ -122,20 +122,22 @@ class GetTimelineRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns")
+    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns", "collective_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_requests: int
     num_tokens: int
     start_ns: int
     end_ns: int
     wait_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ...) -> None: ...
+    collective_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., collective_ns: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
     __slots__ = ("stage", "busy_fraction", "bubble_fraction", "num_steps", "steps")

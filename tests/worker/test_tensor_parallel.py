@@ -4,10 +4,13 @@ bytes of the checkpoint."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from services.common.errors import ConfigError
+from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
 from services.worker.model.loader import SafetensorsReader, load_stage_model
@@ -88,3 +91,24 @@ def test_sharded_stage_decodes_like_the_unsharded_one(tmp_path, arch, kv_heads, 
     replicated = norms + (kv_proj if kv_heads == 1 else 0)
     assert all(r["bytes_read"] < reader.bytes_read for r in ranks)
     assert sum(r["bytes_read"] for r in ranks) == reader.bytes_read + replicated
+
+
+def test_worker_config_refuses_a_model_that_does_not_shard(smollm2_dir):
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
+        WorkerConfig(model_dir=str(smollm2_dir), tensor_parallel_size=4, tp_rank=0)
+    with pytest.raises(ConfigError, match=r"tp_rank=2 is out of range: must be in \[0, 1\]"):
+        WorkerConfig(model_dir=str(smollm2_dir), tensor_parallel_size=2, tp_rank=2)
+    assert WorkerConfig(model_dir=str(smollm2_dir), tensor_parallel_size=2, tp_rank=1).threads
+
+
+def test_conveyor_up_refuses_more_ranks_than_cores_unless_oversubscribed(smollm2_dir):
+    from services.common.affinity import available_cpus
+    from services.launcher import check_parallel
+
+    cores = len(available_cpus())
+    args = argparse.Namespace(
+        model=str(smollm2_dir), stages=cores, tensor_parallel_size=2, device="cpu"
+    )
+    with pytest.raises(ConfigError, match=f"= {2 * cores} worker processes, but this machine"):
+        check_parallel(argparse.Namespace(**vars(args), oversubscribe=False))
+    assert check_parallel(argparse.Namespace(**vars(args), oversubscribe=True)) == 2

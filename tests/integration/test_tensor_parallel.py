@@ -70,8 +70,11 @@ def reference_under_load(smollm2_dir, smollm2_prompts):
 
 
 def test_tp_rank_killed_under_load_is_recovered(tp_stack, reference_under_load):
-    """The last worker (the last stage's tp rank 1) dies mid-run: the pipeline says
-    NOT_SERVING, and once it is back every request completes with the reference tokens."""
+    """The last worker (the last stage's tp rank 1) dies mid-run, its peer in the middle of an
+    all-reduce and stage 0 of a send: the pipeline says NOT_SERVING, and once the rank is back
+    every request completes with the reference tokens."""
+    if tp_stack.stages == 1:
+        pytest.skip("at P = 2 only, to keep the suite short (the peer's all-reduce fails alike)")
     prompts, reference = reference_under_load
     outcomes: dict[int, Outcome] = {}
 

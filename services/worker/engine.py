@@ -184,7 +184,8 @@ class StageEngine:
                 self.runner.requests.clear()  # a new session starts from no request
                 tp = getattr(self.runner.model, "tp", None)
                 if tp is not None and session.link is not None:
-                    tp.group = getattr(session.link, "tp_group", None)  # this session's
+                    # the stage's collectives run on this session's group from now on
+                    tp.group = getattr(session.link, "tp_group", None)
         while True:
             item = session.plans.get()
             if item is None or session.is_stale:

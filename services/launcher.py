@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.affinity import default_threads, stage_cpus
+from services.common.affinity import available_cpus, default_threads, stage_cpus
 from services.common.config import default_of
 from services.common.errors import ConfigError
 from services.common.process import child_env
@@ -225,9 +225,12 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         dist_addr = f"{INTERNAL_HOST}:{free_port()}"
         worker_addrs = []
         env = dict(os.environ)
-        threads = args.threads or default_threads(args.stages)
-        pinned = stage_cpus(args.stages, threads) if args.cpu_affinity == "auto" else None
-        for stage in range(args.stages):
+        tp_size = check_parallel(args)
+        num_ranks = args.stages * tp_size
+        threads = args.threads or default_threads(num_ranks)
+        pinned = stage_cpus(num_ranks, threads) if args.cpu_affinity == "auto" else None
+        for rank in range(num_ranks):  # stage-major: the order --workers wants
+            stage, tp_rank = divmod(rank, tp_size)
             port = free_port()
             worker_addrs.append(f"{INTERNAL_HOST}:{port}")
             argv = [
@@ -238,6 +241,10 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 str(stage),
                 "--stages",
                 str(args.stages),
+                "--tensor-parallel-size",
+                str(tp_size),
+                "--tp-rank",
+                str(tp_rank),
                 "--dist-addr",
                 dist_addr,
                 "--port",
@@ -259,10 +266,10 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             if args.quantization:
                 argv += ["--quantization", args.quantization]
             if pinned:
-                argv += ["--cpu-affinity", ",".join(map(str, pinned[stage]))]
+                argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
             argv += _device_args(args)
-            argv += _observability_args(args, 2 + stage)
-            stack.spawn(f"worker {stage}", argv, env)
+            argv += _observability_args(args, 2 + rank)
+            stack.spawn(f"worker {stage}" + (f".{tp_rank}" if tp_size > 1 else ""), argv, env)
         scheduler_port = args.scheduler_port or free_port()
         scheduler_addr = f"{INTERNAL_HOST}:{scheduler_port}"
         stack.scheduler_address = scheduler_addr
@@ -309,6 +316,42 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     except BaseException:
         stack.stop()
         raise
+
+
+def check_parallel(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, checked against the model (heads, vocabulary) and against
+    this machine: stages x ranks processes need as many cores (CPU) or GPUs (CUDA)."""
+    tp_size = getattr(args, "tensor_parallel_size", 1)
+    if tp_size == 1:
+        return 1
+    if args.device == "sim":
+        raise ConfigError(
+            f"--tensor-parallel-size={tp_size} runs real ranks; with --device sim model them "
+            "with --sim-tensor-parallel-size"
+        )
+    from services.common.errors import ModelLoadError
+    from services.worker.model.config import ModelConfig
+    from services.worker.model.tensor_parallel import check_tensor_parallel
+
+    try:
+        model = ModelConfig.from_dir(args.model)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_tensor_parallel(model, tp_size, source=args.model)
+    num_ranks = args.stages * tp_size
+    if args.device == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = len(available_cpus()), "cores"
+    if num_ranks > have and not (args.device == "cpu" and getattr(args, "oversubscribe", False)):
+        raise ConfigError(
+            f"--tensor-parallel-size={tp_size} x --pipeline-parallel-size={args.stages} = "
+            f"{num_ranks} worker processes, but this machine has {have} {what}"
+            + (" (--oversubscribe allows it on CPU)" if args.device == "cpu" else "")
+        )
+    return tp_size
 
 
 def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -378,7 +421,7 @@ def _device_args(args: argparse.Namespace) -> list[str]:
 
 
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
-    """--metrics-port (the router on N, the scheduler on N+1, stage i on N+2+i) and
+    """--metrics-port (the router on N, the scheduler on N+1, worker i on N+2+i, stage-major) and
     --otlp-endpoint for one child."""
     argv = []
     if args.metrics_port is not None:
@@ -396,7 +439,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="stages",
         type=int,
         default=2,
-        help="pipeline stages, one worker process each (default: 2)",
+        help="pipeline stages, one worker process per tensor-parallel rank each (default: 2)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per stage, one worker process each; stages x ranks must "
+        "not exceed the cores (CPU) or GPUs (CUDA) (default: 1)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="CPU: allow more worker processes (stages x tp ranks) than cores, e.g. to "
+        "measure tensor parallelism on a small machine (default: refused)",
     )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
     parser.add_argument(
@@ -441,7 +497,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="intra-op threads per worker (default: cores / stages)",
+        help="intra-op threads per worker (default: cores / (stages x tp ranks))",
     )
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
     parser.add_argument(
@@ -454,7 +510,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-affinity",
         choices=["auto", "off"],
         default="auto",
-        help="auto: pin each stage to its own cores when stages x threads fit "
+        help="auto: pin each worker to its own cores when workers x threads fit "
         "on this machine's cores (default: auto)",
     )
     parser.add_argument(
@@ -473,7 +529,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Prometheus metrics: the router on N, the scheduler on N+1, "
-        "stage i on N+2+i (default: off)",
+        "worker i on N+2+i, i = stage x ranks + tp rank (default: off)",
     )
     parser.add_argument(
         "--otlp-endpoint",
@@ -555,8 +611,9 @@ def run(args: argparse.Namespace) -> int:
     except StackFailed as exc:
         logger.error("%s; the stack did not start", exc)
         return 1
+    tp_note = f" x {args.tensor_parallel_size} tp ranks" if args.tensor_parallel_size > 1 else ""
     print(
-        f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
+        f"conveyor is serving on {address} ({args.stages} stages{tp_note}, {args.scheduling}); "
         f"scheduler on {stack.scheduler_address}",
         flush=True,
     )

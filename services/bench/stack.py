@@ -30,6 +30,8 @@ class Mode:
     stages: int
     scheduling: str
     threads: int
+    tensor_parallel_size: int = 1
+    """Ranks per stage; above 1 the stack may have more workers than cores (--oversubscribe)."""
 
 
 @dataclass
@@ -96,6 +98,8 @@ def start_stack(
         str(trace),
         *(extra_args or []),
     ]
+    if mode.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(mode.tensor_parallel_size), "--oversubscribe"]
     logger.info("starting %s (log: %s)", mode.label, log_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log_path.open("w") as log:

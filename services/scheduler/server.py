@@ -79,7 +79,7 @@ async def stats_to_pb(
     service: SchedulerService, reset_timelines: bool = False
 ) -> scheduler_pb2.SchedulerStats:
     msg = scheduler_pb2.SchedulerStats(
-        num_stages=len(service.pipeline.addresses),
+        num_stages=service.pipeline.num_stages,
         serving=service.serving,
         scheduling=service.config.scheduling.value,
         num_steps=service.counters.num_steps,

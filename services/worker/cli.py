@@ -25,9 +25,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"stages in the pipeline (default: {default('num_stages')})",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default("tensor_parallel_size"),
+        help="tensor-parallel ranks per stage, one worker process each "
+        f"(default: {default('tensor_parallel_size')})",
+    )
+    parser.add_argument(
+        "--tp-rank",
+        type=int,
+        default=default("tp_rank"),
+        help="this worker's tensor-parallel rank inside its stage, 0-based "
+        f"(default: {default('tp_rank')})",
+    )
+    parser.add_argument(
         "--dist-addr",
         default=default("dist_addr"),
-        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0 "
+        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0 (tp rank 0) "
         f"(default: {default('dist_addr')})",
     )
     parser.add_argument(
@@ -176,6 +190,8 @@ def build_config(args: argparse.Namespace):
         model_dir=args.model,
         stage_index=args.stage,
         num_stages=args.stages,
+        tp_rank=args.tp_rank,
+        tensor_parallel_size=args.tensor_parallel_size,
         layer_split=[int(x) for x in args.layer_split.split(",")] if args.layer_split else None,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

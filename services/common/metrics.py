@@ -192,6 +192,9 @@ class SchedulerSnapshot:
     num_queried_tokens: int
     num_hit_tokens: int
     num_poisoned: int = 0
+    is_paused: bool = False
+    weight_version: int = 0
+    num_weight_updates: int = 0
 
 
 class SchedulerCollector(Collector):
@@ -240,6 +243,21 @@ class SchedulerCollector(Collector):
             "conveyor:poison_requests",
             "Requests failed because a pipeline stage failed on them alone.",
             snap.num_poisoned,
+        )
+        yield _gauge(
+            "conveyor:engine_paused",
+            "1 while paused (Pause): steps stop, requests queue; health stays SERVING.",
+            float(snap.is_paused),
+        )
+        yield _gauge(
+            "conveyor:weight_version",
+            "Version of the weights the stages serve.",
+            snap.weight_version,
+        )
+        yield _counter(
+            "conveyor:weight_updates",
+            "Weight updates committed (UpdateWeights).",
+            snap.num_weight_updates,
         )
 
 

@@ -92,6 +92,16 @@ class Pipeline:
     def is_open(self) -> bool:
         return bool(self._calls)
 
+    @property
+    def stubs(self) -> list[worker_pb2_grpc.StageWorkerStub]:
+        """One stub per stage, stage order (for calls beside the Run streams)."""
+        return self._stubs
+
+    @property
+    def metadata(self):
+        """The credentials every call to a stage presents."""
+        return self._metadata
+
     async def describe(self, timeout_s: float = 2.0) -> PipelineInfo:
         """Asks every stage; raises PipelineUnavailable naming the stages not ready."""
         replies = await asyncio.gather(

@@ -150,6 +150,11 @@ class StageEngine:
         self._session = session
         session.thread.start()
 
+    def between_steps(self, action: Callable[[], None]) -> None:
+        """Runs `action` while no step computes (e.g. swapping weights in)."""
+        with self._runner_lock:
+            action()
+
     def submit(self, plan: StepPlan, tokens_from_last_stage: bool) -> None:
         self._session.plans.put((plan, tokens_from_last_stage))
 

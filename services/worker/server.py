@@ -7,13 +7,16 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+from services.common.auth import Authenticator, OpenAccess
 from services.common.errors import PipelineUnavailable
 from services.common.pb import logprobs_to_pb, plan_from_pb
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.security import require_admin
 from services.common.serving import GrpcServer
 from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.runner import StageRunner
+from services.worker.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name = model_name
         self.engine: StageEngine | None = None
+        self.weights: WeightUpdates | None = None
+        self.authenticator: Authenticator = OpenAccess()
+        """Who gets in (the interceptor checks it); weight calls also ask `require_admin`."""
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self._session_lock = asyncio.Lock()
@@ -74,6 +80,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
         self.engine = engine
+        self.weights = WeightUpdates(engine)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -105,6 +112,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             quantization=runner.model.quantization.method if runner.model.quantization else "",
             tp_rank=self.tp_rank,
             tensor_parallel_size=self.tp_size,
+            weight_version=self.weights.version,
         )
 
     async def GetTimeline(self, request, context):
@@ -169,6 +177,40 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     observer.reset()
                 logger.info("stage %d: session ended", self.stage)
 
+    # -- weight updates (the scheduler's UpdateWeights and InitWeightTransfer) ---------------
+    def _weights(self, context) -> WeightUpdates:
+        require_admin(context, self.authenticator)
+        if self.weights is None:
+            raise PipelineUnavailable(f"stage {self.stage} is still loading its model")
+        return self.weights
+
+    async def InitWeightTransfer(self, request, context):
+        self._weights(context).init_transfer(
+            request.master_addr,
+            request.master_port,
+            request.rank,
+            request.world_size,
+            request.timeout_s or 300.0,
+        )
+        return worker_pb2.StageTransferResponse()
+
+    async def StageWeights(self, request, context):
+        weights = self._weights(context)
+        reply = worker_pb2.StageWeightsReply
+        if request.path:
+            stage = weights.plan_files(request.path, list(request.layers), request.weight_version)
+        else:
+            stage = weights.plan_received(request.weight_version)
+        yield reply(phase=reply.PHASE_ACCEPTED)
+        num_tensors = await asyncio.to_thread(stage)
+        yield reply(phase=reply.PHASE_STAGED, num_tensors=num_tensors)
+
+    async def CommitWeights(self, request, context):
+        version = await asyncio.to_thread(
+            self._weights(context).commit, request.weight_version, request.discard
+        )
+        return worker_pb2.CommitWeightsResponse(weight_version=version)
+
     async def _read_plans(self, request_iterator, reports: asyncio.Queue) -> None:
         """Feeds plans to the engine; puts None on `reports` when the stream ends."""
         observer = self.observer
@@ -189,15 +231,16 @@ async def serve(config: WorkerConfig) -> None:
     from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
+    security = internal_server_security(
+        config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
+    )
     server = GrpcServer(
         f"stage {config.stage_index}",
         config.host,
         config.port,
         [_SERVICE],
         options=[("grpc.max_receive_message_length", 64 << 20)],
-        security=internal_server_security(
-            config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
-        ),
+        security=security,
         health_port=config.health_port,
     )
     model_name = Path(config.model_dir).name
@@ -208,6 +251,7 @@ async def serve(config: WorkerConfig) -> None:
         config.tp_rank,
         config.tensor_parallel_size,
     )
+    servicer.authenticator = security.authenticator
     server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
     close_observers = install_observers(
         servicer, config.stage_index, config.metrics_port, config.otlp_endpoint

@@ -105,6 +105,7 @@ async def serve(config: RouterConfig) -> None:
     security = server_security(config)
     core = build_core(config)
     close_observers = install_observers(core, config)
+    http = http_server(core, config, security) if config.http_port is not None else None
     server = GrpcServer(
         "router",
         config.host,
@@ -130,7 +131,8 @@ async def serve(config: RouterConfig) -> None:
         core.limits.max_model_len,
         config.scheduler_address,
     )
-    http = await start_http(core, config, security) if config.http_port is not None else None
+    if http is not None:
+        await http.start()
     watcher = asyncio.create_task(watch_scheduler(core, server, config.health_interval_s))
     await server.wait_for_stop()
     logger.info("router stopping: draining streams")
@@ -140,8 +142,9 @@ async def serve(config: RouterConfig) -> None:
     close_observers()
 
 
-async def start_http(core: RouterCore, config: RouterConfig, security: ServerSecurity):
-    """The OpenAI-compatible API on --http-port, over the same core (services/router/http/)."""
+def http_server(core: RouterCore, config: RouterConfig, security: ServerSecurity):
+    """The OpenAI-compatible API on --http-port, over the same core (services/router/http/),
+    its port taken (ConfigError when it cannot be) but not yet serving."""
     from services.router.http.app import create_app
     from services.router.http.server import HttpServer
 
@@ -155,7 +158,7 @@ async def start_http(core: RouterCore, config: RouterConfig, security: ServerSec
         tls_client_ca=config.tls_client_ca,
         max_connections=config.max_concurrent_rpcs,
     )
-    await http.start()
+    http.bind()
     return http
 
 

@@ -3,6 +3,7 @@ official `openai` client: shapes, streaming, n > 1, stop strings, errors, API ke
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -29,7 +30,7 @@ def http_router(scheduler_server, tiny_model_dir, tmp_path_factory):
         scheduler_server.address,
         tiny_model_dir,
         *("--http-port", str(port), "--api-key-file", str(keys)),
-        *("--metrics-port", str(metrics_port)),
+        *("--metrics-port", str(metrics_port), "--max-message-bytes", "65536"),
     ).wait_serving()
     proc.http = f"http://127.0.0.1:{port}"
     proc.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -45,8 +46,11 @@ def client(http_router) -> openai.OpenAI:
         yield c
 
 
-def get(url: str, key: str | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(url)
+def get(url: str, key: str | None = None, data: bytes | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, or of a POST of `data`."""
+    request = urllib.request.Request(url, data=data)
+    if data is not None:
+        request.add_header("content-type", "application/json")
     if key is not None:
         request.add_header("authorization", f"Bearer {key}")
     try:
@@ -208,6 +212,43 @@ def test_http_errors_in_openai_shape(fake, client, http_router):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert not fake.submits  # nothing refused reached the scheduler
+
+
+def test_http_malformed_requests_get_openai_errors(fake, http_router):
+    url = f"{http_router.http}/v1/completions"
+    status, body = get(url, KEY, b'{"prompt": "x", ')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = get(url, KEY, json.dumps({"prompt": "x", "n": 0}).encode())
+    assert status == 400 and body["error"]["param"] == "n"
+    status, body = get(url, KEY, json.dumps({"model": MODEL}).encode())
+    assert status == 400 and "prompt" in body["error"]["message"]
+    status, body = get(url, KEY, json.dumps({"prompt": "x" * 100_000}).encode())
+    assert status == 413 and "--max-message-bytes" in body["error"]["message"]
+    assert post_chunked(http_router.http, json.dumps({"prompt": "x" * 100_000}).encode()) == 413
+    status, body = get(url, KEY, json.dumps({"prompt": ["x"] * 65}).encode())
+    assert status == 400 and "--max-stream-requests" in body["error"]["message"]
+    status, body = get(f"{http_router.http}/v2/nothing", KEY)
+    assert status == 404 and body["error"]["message"]
+    assert not fake.submits
+
+
+def post_chunked(base_url: str, body: bytes) -> int:
+    """The status of a POST /v1/completions whose body has no Content-Length (chunked)."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        chunks = (body[i : i + 8192] for i in range(0, len(body), 8192))
+        headers = {"content-type": "application/json", "authorization": f"Bearer {KEY}"}
+        connection.request("POST", "/v1/completions", chunks, headers, encode_chunked=True)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_http_port_taken_stops_the_router(scheduler_server, tiny_model_dir, http_router):
+    taken = http_router.http.rsplit(":", 1)[1]
+    proc = RouterProcess(scheduler_server.address, tiny_model_dir, "--http-port", taken)
+    assert proc.proc.wait(timeout=60) == 2  # a configuration error, before serving anything
 
 
 @pytest.mark.parametrize(

@@ -107,17 +107,27 @@ class LimitBody:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await error_response(self._too_large())(scope, receive, send)
-        num_bytes = 0
+        num_bytes, is_refused = 0, False
 
         async def counted() -> Message:
-            nonlocal num_bytes
+            """The body's chunks; past the limit, the 413 goes out and the app sees a client
+            that went away (whatever it answers then is dropped)."""
+            nonlocal num_bytes, is_refused
+            if is_refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
-                raise self._too_large()
+                is_refused = True
+                await error_response(self._too_large())(scope, receive, send)
+                return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, counted, send)
+        async def unless_refused(message: Message) -> None:
+            if not is_refused:
+                await send(message)
+
+        await self.app(scope, counted, unless_refused)
 
 
 class CountRequests:

@@ -57,7 +57,14 @@ class HttpServer:
     _loop_task: asyncio.Task | None = field(default=None, init=False)
     _sockets: list[socket.socket] = field(default_factory=list, init=False)
 
+    def bind(self) -> None:
+        """Takes the port (ConfigError when it cannot): before the gRPC server starts, so
+        that a taken port stops the router before anything runs."""
+        if not self._sockets:
+            self._sockets = [bind(self.host, self.port)]
+
     async def start(self) -> None:
+        self.bind()
         config = uvicorn.Config(
             self.app,
             lifespan="off",
@@ -73,7 +80,6 @@ class HttpServer:
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
-        self._sockets = [bind(self.host, self.port)]
         await server.startup(sockets=self._sockets)
         self._server = server
         self._loop_task = asyncio.create_task(server.main_loop())

@@ -266,6 +266,16 @@ def test_http_scheduler_refusals_get_their_status(fake, client, mode, error, str
     assert info.value.status_code == (429 if error is openai.RateLimitError else 503)
 
 
+def test_http_tokenize_as_vllm(http_router, tiny_tokenizer):
+    status, body = get(f"{http_router.http}/tokenize", KEY, json.dumps({"prompt": "Hi"}).encode())
+    assert status == 200
+    assert body == {
+        "tokens": tiny_tokenizer.encode("Hi"),
+        "count": len(tiny_tokenizer.encode("Hi")),
+        "max_model_len": 256,
+    }
+
+
 def test_http_models_health_version_and_metrics(client, http_router, scheduler_server):
     (model,) = client.models.list().data
     assert (model.id, model.owned_by) == (MODEL, "conveyor")

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   generation (SSE when stream=true)
     GET  /v1/models                              the served model
+    POST /tokenize                               a text's token ids (vLLM's endpoint)
     GET  /health                                 200 while the scheduler is SERVING, else 503
     GET  /version                                the server's version
 
@@ -22,8 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.auth import Authenticator, CallCredentials, Principal, bearer_of
 from services.common.errors import ConveyorError, PipelineUnavailable
+from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
-from services.router.http import endpoints, schemas
+from services.router.http import convert, endpoints, schemas
 from services.router.http.errors import (
     BodyTooLarge,
     error_response,
@@ -32,11 +34,19 @@ from services.router.http.errors import (
     on_validation_error,
 )
 from services.router.kserve import SERVER_VERSION
+from services.router.request import GenerateInput
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/health",
+    "/version",
+)
 
 
 def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: int) -> FastAPI:
@@ -72,6 +82,14 @@ def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: i
             id=core.limits.name, created=0, max_model_len=core.limits.max_model_len
         )
         return schemas.ModelList(data=[card])
+
+    @app.post("/tokenize", dependencies=[Depends(principal)])
+    async def tokenize(body: schemas.TokenizeRequest) -> schemas.TokenizeResponse:
+        convert.check_model(body.model, core.limits)
+        ids = await core.tokenize(GenerateInput(sampling=SamplingParams(), text=body.prompt))
+        return schemas.TokenizeResponse(
+            tokens=ids, count=len(ids), max_model_len=core.limits.max_model_len
+        )
 
     @app.get("/health")
     async def health() -> Response:

@@ -190,6 +190,21 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a text's token ids, as the served model's tokenizer gives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    model: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -105,13 +105,25 @@ def completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
     return [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
 
 
-def completion_inputs(body: schemas.CompletionRequest) -> list[GenerateInput]:
+def check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """Raises InvalidRequest when prompts x n exceed what one request may run at once
+    (checked before the choices are built)."""
+    if num_prompts * n > max_choices:
+        raise InvalidRequest(
+            f"the request asks for {num_prompts * n} choices (prompts x n), too many: at most "
+            f"{max_choices} (--max-stream-requests)"
+        )
+
+
+def completion_inputs(body: schemas.CompletionRequest, max_choices: int) -> list[GenerateInput]:
     """One input per choice, in choice-index order."""
     check_supported(body)
+    prompts = completion_prompts(body.prompt)
+    check_choices(len(prompts), body.n, max_choices)
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     sampling = sampling_of(body, max_tokens, body.logprobs)
     inputs = []
-    for text, token_ids in completion_prompts(body.prompt):
+    for text, token_ids in prompts:
         base = GenerateInput(
             sampling=sampling,
             text=text,
@@ -131,10 +143,13 @@ def chat_turns(messages: list[schemas.ChatMessage]) -> list[ChatTurn]:
     ]
 
 
-def chat_input(body: schemas.ChatCompletionRequest, max_tokens: int) -> list[GenerateInput]:
+def chat_input(
+    body: schemas.ChatCompletionRequest, max_tokens: int, max_choices: int
+) -> list[GenerateInput]:
     """One input per choice; `max_tokens` is resolved by the caller (the default is the rest
     of the context, which needs the prompt's length)."""
     check_supported(body)
+    check_choices(1, body.n, max_choices)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

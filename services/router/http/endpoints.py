@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.auth import Principal
-from services.common.errors import ConveyorError, InvalidRequest
+from services.common.errors import ConveyorError
 from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
 from services.router.http import convert, schemas
@@ -36,7 +36,7 @@ async def completions(
     core: RouterCore, request: Request, body: schemas.CompletionRequest, principal: Principal
 ) -> Response:
     convert.check_model(body.model, core.limits)
-    inputs = convert.completion_inputs(body)
+    inputs = convert.completion_inputs(body, core.limits.max_stream_requests)
     prepared = await _prepare(core, request, inputs, principal)
     shape = CompletionShape(
         model=core.limits.name,
@@ -53,12 +53,14 @@ async def chat_completions(
     core: RouterCore, request: Request, body: schemas.ChatCompletionRequest, principal: Principal
 ) -> Response:
     convert.check_model(body.model, core.limits)
+    convert.check_supported(body)
+    convert.check_choices(1, body.n, core.limits.max_stream_requests)
     max_tokens = convert.requested_max_tokens(body)
     if max_tokens is None:  # OpenAI's default: whatever room the context leaves
         chat = GenerateInput(sampling=SamplingParams(), chat=convert.chat_turns(body.messages))
         num_prompt = len(await core.tokenize(chat))
         max_tokens = max(1, core.limits.max_model_len - num_prompt)
-    inputs = convert.chat_input(body, max_tokens)
+    inputs = convert.chat_input(body, max_tokens, core.limits.max_stream_requests)
     prepared = await _prepare(core, request, inputs, principal)
     shape = ChatShape(
         model=core.limits.name,
@@ -73,12 +75,6 @@ async def chat_completions(
 async def _prepare(
     core: RouterCore, request: Request, inputs: list[GenerateInput], principal: Principal
 ) -> list[PreparedRequest]:
-    limit = core.limits.max_stream_requests
-    if len(inputs) > limit:
-        raise InvalidRequest(
-            f"the request asks for {len(inputs)} choices (prompts x n), too many: at most "
-            f"{limit} (--max-stream-requests)"
-        )
     coros = [core.prepare(one, principal) for one in inputs]
     return await unless_disconnected(request, gather_all(coros))
 

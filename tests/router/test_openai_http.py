@@ -211,6 +211,8 @@ def test_http_errors_in_openai_shape(fake, client, http_router):
     bad = openai.OpenAI(base_url=f"{http_router.http}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    with pytest.raises(openai.PermissionDeniedError, match="team-a"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"tenant": "team-b"})
     assert not fake.submits  # nothing refused reached the scheduler
 
 

@@ -131,6 +131,7 @@ def completion_inputs(body: schemas.CompletionRequest, max_choices: int) -> list
             stop=_stop_strings(body.stop),
             include_stop_str_in_output=body.include_stop_str_in_output,
             priority=body.priority,
+            tenant=body.tenant,
         )
         inputs.extend(_fan_out(base, body.n))
     return inputs
@@ -159,6 +160,7 @@ def chat_input(
         stop=_stop_strings(body.stop),
         include_stop_str_in_output=body.include_stop_str_in_output,
         priority=body.priority,
+        tenant=body.tenant,
     )
     return _fan_out(base, body.n)
 

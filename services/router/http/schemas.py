@@ -51,8 +51,9 @@ class SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # Conveyor's scheduling fields (as in conveyor.v1.GenerateRequest)
+    # Conveyor's scheduling fields (as in conveyor.v1.GenerateRequest; an API key sets both)
     priority: int = 0
+    tenant: str = ""
 
 
 class CompletionRequest(SamplingFields):

@@ -34,6 +34,7 @@ from services.common.security import (
     add_tls_arguments,
     check_tls_files,
 )
+from services.router.config import DEFAULT_HTTP_PORT
 from services.worker.cli import add_sim_arguments
 from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
 
@@ -307,6 +308,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             args.host,
             *public,
             *_observability_args(args, 0),
+            *_http_args(args),
             *args.router_args,
         ]
         stack.spawn("router", argv, env)
@@ -388,6 +390,23 @@ def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.tls_client_ca:
         public += ["--tls-client-ca", args.tls_client_ca]
     return [*tls, *token], public
+
+
+def _serves_http(args: argparse.Namespace) -> bool:
+    """The router serves the HTTP API unless --no-http, or client certificates without API
+    keys (the HTTP API authenticates with keys only)."""
+    return not args.no_http and not (args.tls_client_ca and not args.api_key_file)
+
+
+def _http_args(args: argparse.Namespace) -> list[str]:
+    if _serves_http(args):
+        return ["--http-port", str(args.http_port)]
+    if not args.no_http:
+        logger.warning(
+            "no OpenAI-compatible HTTP API: with --tls-client-ca it needs --api-key-file "
+            "(it cannot read client certificates' identities)"
+        )
+    return []
 
 
 def _client_security(args: argparse.Namespace) -> ClientSecurity:
@@ -565,6 +584,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64",
     )
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="the router's OpenAI-compatible HTTP API on this port, bound like --port "
+        f"(default: {DEFAULT_HTTP_PORT})",
+    )
+    parser.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
+    parser.add_argument(
         "--router-arg",
         dest="router_args",
         action="append",
@@ -612,8 +639,9 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s; the stack did not start", exc)
         return 1
     tp_note = f" x {args.tensor_parallel_size} tp ranks" if args.tensor_parallel_size > 1 else ""
+    http = f", OpenAI API on port {args.http_port}" if _serves_http(args) else ""
     print(
-        f"conveyor is serving on {address} ({args.stages} stages{tp_note}, {args.scheduling}); "
+        f"conveyor is serving on {address} ({args.stages} stages{tp_note}, {args.scheduling}{http}); "
         f"scheduler on {stack.scheduler_address}",
         flush=True,
     )

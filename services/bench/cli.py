@@ -3,6 +3,7 @@
     conveyor bench --server localhost:50051 --scheduler localhost:50052 \\
         --num-prompts 64 --input-len 128 --output-len 128 --request-rate inf --json out.json
     conveyor bench --compare [--num-prompts 16 --input-len 32 --output-len 32]
+    conveyor bench --backend openai --server localhost:8000   # the OpenAI-compatible API
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.bench.run import DATASETS
 
     parser.add_argument(
-        "--server", default="localhost:50051", help="router address (default: localhost:50051)"
+        "--server",
+        default=None,
+        help="router address (default: localhost:50051; with --backend openai the HTTP "
+        "API's, localhost:8000)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: conveyor.v1.Generation; openai: the router's OpenAI-compatible HTTP API "
+        "(streamed /v1/completions with the openai client) (default: grpc)",
     )
     parser.add_argument(
         "--scheduler",
@@ -223,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         security=ClientSecurity.from_files(
             args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
         ),
+        backend=args.backend,
     )
     if args.compare and args.device == "sim":
         from services.bench.sim_experiment import run_sim_compare
@@ -244,10 +256,11 @@ async def _bench(args: argparse.Namespace, options) -> int:
     from services.bench.run import BenchTarget, build_requests, run_benchmark
 
     workload = _workload(args)
-    requests = await build_requests(args.server, workload, options.security)
+    server = args.server or ("localhost:8000" if args.backend == "openai" else "localhost:50051")
+    requests = await build_requests(server, workload, options.security, args.backend)
     token = internal_token(args.internal_token_file, os.environ)
     scheduler_security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-    target = BenchTarget(args.server, args.scheduler, options, scheduler_security)
+    target = BenchTarget(server, args.scheduler, options, scheduler_security)
     result = await run_benchmark(target, requests, seed=args.seed)
     print(result_table(result), flush=True)
     if args.json_path:

@@ -77,9 +77,8 @@ async def _bench_mode(
     alone = await run_benchmark(BenchTarget(stack.router, None, quiet), single)
     meter = CpuMeter([stack.proc.pid, os.getpid()])
     meter.start()
-    result = await run_benchmark(
-        BenchTarget(stack.router, stack.scheduler, options), requests, seed=seed
-    )
+    server = stack.http if options.backend == "openai" else stack.router
+    result = await run_benchmark(BenchTarget(server, stack.scheduler, options), requests, seed=seed)
     result["cpu"] = meter.stop()
     result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
     return result

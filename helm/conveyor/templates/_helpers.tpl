@@ -233,6 +233,36 @@ livenessProbe:
   failureThreshold: 6
 {{- end }}
 
+{{/*
+The router's probes with the HTTP API on: ready while GET /health answers 200 (the scheduler is
+SERVING), started and alive as the gRPC `liveness` service says (the same process serves both).
+include "conveyor.routerHttpProbes" (list . grpcProbePort)
+*/}}
+{{- define "conveyor.routerHttpProbes" -}}
+{{- $root := index . 0 -}}
+{{- $port := index . 1 -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+    service: liveness
+  periodSeconds: 10
+  failureThreshold: 30
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+    scheme: {{ ternary "HTTPS" "HTTP" $root.Values.security.tls.enabled }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+    service: liveness
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
 {{- define "conveyor.metricsArgs" -}}
 {{- if .Values.metrics.enabled }}
 - --metrics-port={{ .Values.metrics.port }}

@@ -31,6 +31,7 @@ EXPECTED_PAGES = {
     "security.md",
     "simulation.md",
     "tensor-parallel.md",
+    "training.md",
 }
 
 

@@ -35,6 +35,9 @@ _ROWS = [
     ("Bubble fraction per stage", "bubble_fraction", "{}"),
     ("Prefix cache hit rate", "prefix_cache_hit_rate", "{:.3f}"),
     ("Preemptions", "preemptions", "{:d}"),
+    ("Plans per second", "plans_per_s", "{:.1f}"),
+    ("Scheduler CPU per plan (us)", "scheduler_cpu_per_plan_us", "{:.0f}"),
+    ("Scheduler CPU per output token (us)", "scheduler_cpu_per_token_us", "{:.1f}"),
 ]
 
 

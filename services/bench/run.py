@@ -66,10 +66,13 @@ class BenchTarget:
 
 
 async def build_requests(
-    server: str, workload: Workload, security: ClientSecurity | None = None
+    server: str,
+    workload: Workload,
+    security: ClientSecurity | None = None,
+    backend: str = "grpc",
 ) -> list[BenchRequest]:
     """The workload's requests, with prompt ids the served tokenizer produces."""
-    return workload.build(await token_pool(server, security=security))
+    return workload.build(await token_pool(server, security=security, backend=backend))
 
 
 async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed: int = 0) -> dict:
@@ -85,6 +88,9 @@ async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed:
     result = summarize(outputs, duration)
     if probe:
         result |= await probe.finish()
+        if result.get("total_output_tokens"):
+            cpu_us = 1e6 * result["scheduler_cpu_s"]
+            result["scheduler_cpu_per_token_us"] = cpu_us / result["total_output_tokens"]
     errors = sorted({o.error for o in outputs if not o.success})
     if errors:
         result["errors"] = errors[:5]

@@ -7,12 +7,18 @@ Scenarios:
   all of them in every plan);
 * `mix-32+4x512`: 32 decodes plus 4 prefill chunks of 512 tokens per step;
 * `redis`: the decode scenario with a private redis-server: round trips and latency of the
-  per-step flush (process_result) against it.
+  per-step flush (process_result) against it;
+* `p8-256`: the control plane's whole CPU work per plan at P = 8, async (2P steps in flight),
+  256 running requests (32 per micro-batch), Redis on: plan, encode the StepPlan, process
+  the result (one Redis round trip), encode the deltas as a session's message. Its inverse
+  is the plan rate the scheduler sustains on one core before gRPC writes (each plan is
+  written to 8 stages; a write costs ~0.03-0.1 ms here, see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import shutil
 import socket
 import statistics
@@ -99,6 +105,47 @@ def bench_mix(num_steps: int) -> list[float]:
     return samples
 
 
+def bench_pipeline(num_plans: int, store, num_stages: int = 8) -> tuple[list[float], float]:
+    """(CPU seconds (process time) per plan, mean requests per plan) in the `p8-256`
+    scenario."""
+    from services.common.pb import plan_to_pb
+    from services.common.proto.conveyor.v1 import scheduler_pb2
+    from services.scheduler.session import delta_to_pb
+
+    config = SchedulerConfig(
+        num_blocks=65536,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,  # the GPU step budget (conveyor up --device sim, h200)
+        max_model_len=4096,
+        scheduling="async",
+        num_stages=num_stages,
+    )
+    scheduler = Scheduler(config, store)
+    for i in range(256):
+        scheduler.add_request(_request(f"p{i}", 128, 1_000_000))
+    inflight: collections.deque = collections.deque()
+    samples, num_tokens = [], 0
+    for step in range(num_plans + 64):  # the first 64: prefill, then all decoding
+        t0 = time.process_time()
+        while len(inflight) < config.steps_in_flight:
+            plan = scheduler.schedule()
+            if not plan.num_requests:
+                break
+            plan_to_pb(plan, True).SerializeToString()
+            inflight.append(plan)
+        done = inflight.popleft()
+        deltas = scheduler.process_result(_result(done))
+        response = scheduler_pb2.SessionResponse()
+        for n, delta in enumerate(deltas):
+            response.updates.add(stream_id=n + 1, delta=delta_to_pb(delta))
+        response.SerializeToString()
+        if step >= 64:
+            samples.append(time.process_time() - t0)
+            num_tokens += done.num_requests
+    return samples, num_tokens / num_plans
+
+
 def _start_redis() -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -152,6 +199,12 @@ def main() -> None:
         print(f"redis decode-256 schedule():   {_percentiles(plan_s)}")
         print(f"redis decode-256 process_result() incl. flush: {_percentiles(flush_s)}")
         print(f"redis round trips per step: {trips:.2f}")
+        plan_s, per_plan = bench_pipeline(steps, store)
+        mean = statistics.fmean(plan_s)
+        print(
+            f"p8-256 (redis) CPU per plan:   {_percentiles(plan_s)}   "
+            f"({per_plan:.0f} requests per plan) -> {1 / mean:.0f} plans/s on one core"
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -39,10 +39,13 @@ class SchedulerProbe:
 
     async def finish(self) -> dict:
         """bubble_fraction (per stage, over the window), prefix_cache_hit_rate (since the
-        scheduler started), preemptions (during the window), scheduling, num_stages."""
+        scheduler started), preemptions (during the window), scheduling, num_stages, and
+        over the window: plans_per_s and the scheduler's CPU seconds (in all and per plan)."""
         end = await self._stats(reset=False)
         start_preempted = self._start.num_preempted_total if self._start else 0
         start_steps = self._start.num_steps if self._start else 0
+        num_plans = end.num_steps - start_steps
+        cpu_s = end.cpu_seconds - (self._start.cpu_seconds if self._start else 0.0)
         return {
             "bubble_fraction": [round(b, 4) for b in end.bubble_fraction],
             "prefix_cache_hit_rate": end.prefix_cache_hit_rate,
@@ -50,5 +53,7 @@ class SchedulerProbe:
             "scheduling": end.scheduling,
             "num_stages": end.num_stages,
             "mean_schedule_us": end.mean_schedule_us,
-            "plans_per_s": (end.num_steps - start_steps) / (time.monotonic() - self._started_at),
+            "plans_per_s": num_plans / (time.monotonic() - self._started_at),
+            "scheduler_cpu_s": cpu_s,
+            "scheduler_cpu_per_plan_us": 1e6 * cpu_s / max(num_plans, 1),
         }

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.auth import ANONYMOUS_PRINCIPAL, Principal
@@ -48,7 +48,6 @@ class RouterCore:
     is_ready: bool = False  # the scheduler was SERVING at the last health poll
     metrics: RouterMetrics | None = None  # --metrics-port; None: no hook runs
     tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created
-    _aborts: set[asyncio.Task] = field(default_factory=set)
 
     async def prepare(
         self, req: GenerateInput, principal: Principal = ANONYMOUS_PRINCIPAL
@@ -111,13 +110,11 @@ class RouterCore:
                 obs.end(ended_as)
 
     def _abort_soon(self, req: PreparedRequest) -> None:
-        """Aborts in a task of its own, so that a cancelled caller still frees the blocks.
-        Safe whatever became of the Submit: the scheduler acts only on the request this
-        submission created (its owner token), so a refused duplicate id aborts nothing."""
-        abort = self.scheduler.abort(req.request_id, req.principal, req.owner_token)
-        task = asyncio.get_running_loop().create_task(abort)
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        """Sends the abort on the session without waiting, so that a cancelled caller still
+        frees the blocks. Safe whatever became of the Submit: the scheduler acts only on the
+        request this submission created (its owner token), so a refused duplicate id aborts
+        nothing."""
+        self.scheduler.abort(req.request_id, req.principal, req.owner_token)
         logger.debug("aborting %s", req.request_id)
 
     async def collect(self, req: PreparedRequest) -> tuple[str, OutputDelta]:

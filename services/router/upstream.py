@@ -1,9 +1,12 @@
 """The router's side of the scheduler: submit, resume after a broken stream, abort, health.
 
-A stream that breaks with UNAVAILABLE (scheduler restart, network) is re-attached with
-`Resume(request_id, from_offset)`, retried with backoff for up to `resume_timeout_s`. Offsets
-make it exact: tokens before the first offset the client has not seen are dropped, so the
-client sees neither a gap nor a duplicate.
+Every request of the router travels on one `Scheduler.Session` (services/router/session.py):
+submits, resumes and aborts go out as commands, token deltas come back batched, many
+requests per message. A request's stream that breaks with UNAVAILABLE (scheduler restart,
+network: the session itself broke) is re-attached with a resume command from its offset, on
+a new session, retried with backoff for up to `resume_timeout_s`. Offsets make it exact:
+tokens before the first offset the client has not seen are dropped, so the client sees
+neither a gap nor a duplicate.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.security import ClientSecurity
 from services.router.output import SchedulerDelta
 from services.router.request import PreparedRequest
+from services.router.session import SchedulerSession, SessionStream
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +85,7 @@ def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerD
 
 
 class SchedulerClient:
-    """One channel to the scheduler, shared by every request of a router."""
+    """One channel and one session to the scheduler, shared by every request of a router."""
 
     def __init__(
         self,
@@ -97,8 +101,21 @@ class SchedulerClient:
         self._channel = self.security.channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._session: SchedulerSession | None = None
+        self._closed = False
+
+    def _current(self) -> SchedulerSession:
+        """The open session, or a new one (the last one ended)."""
+        if self._closed:
+            raise PipelineUnavailable("the router is shutting down")
+        if self._session is None or not self._session.is_open:
+            self._session = SchedulerSession(self._stub, self._metadata)
+        return self._session
 
     async def close(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
         await self._channel.close()
 
     async def is_serving(self, timeout_s: float = 1.0) -> bool:
@@ -111,18 +128,16 @@ class SchedulerClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def abort(self, request_id: str, principal: str = "", owner_token: str = "") -> bool:
-        """Aborts a request (of `principal`, submitted with `owner_token`); False (logged when
-        unreachable) when the scheduler did not abort it."""
+    def abort(self, request_id: str, principal: str = "", owner_token: str = "") -> None:
+        """Aborts a request (of `principal`, submitted with `owner_token`). Nothing answers:
+        its streams end with finish reason abort, and a scheduler that never hears it (a
+        broken session) aborts the request as an orphan."""
+        if self._closed:
+            return  # shutting down: the scheduler aborts it as an orphan
         msg = scheduler_pb2.AbortRequest(
             request_id=request_id, principal=principal, owner_token=owner_token
         )
-        try:
-            reply = await self._stub.Abort(msg, timeout=5.0, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("abort of %s failed: %s", request_id, exc.code().name)
-            return False
-        return reply.aborted
+        self._current().abort(msg)
 
     async def stream(
         self,
@@ -130,17 +145,20 @@ class SchedulerClient:
         metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> AsyncIterator[SchedulerDelta]:
         """Submits `req` and yields its deltas until one carries a finish reason.
-        `metadata` goes with the Submit call (the W3C traceparent when tracing)."""
-        submit = scheduler_pb2.SubmitRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids,
-            sampling=sampling_to_pb(req.sampling),
-            priority=req.priority,
-            tenant=req.tenant,
-            principal=req.principal,
-            owner_token=req.owner_token,
+        `metadata` is the Submit's (the W3C traceparent when tracing)."""
+        submit = scheduler_pb2.SessionRequest(
+            submit=scheduler_pb2.SubmitRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.sampling),
+                priority=req.priority,
+                tenant=req.tenant,
+                principal=req.principal,
+                owner_token=req.owner_token,
+            ),
+            traceparent=dict(metadata or ()).get("traceparent", ""),
         )
-        call = self._stub.Submit(submit, metadata=self.security.with_metadata(metadata))
+        call = self._current().open(submit)
         pending = None  # a message the resume already read from `call`
         next_offset, has_output = 0, False
         try:
@@ -167,9 +185,11 @@ class SchedulerClient:
         finally:
             call.cancel()
 
-    async def _resume(self, req: PreparedRequest, offset: int, cause: Exception, has_output: bool):
-        """(call, its first message) of a Resume the scheduler accepted; retries while it is
-        unreachable, for up to resume_timeout_s. Only the request this Submit created is
+    async def _resume(
+        self, req: PreparedRequest, offset: int, cause: Exception, has_output: bool
+    ) -> tuple[SessionStream, scheduler_pb2.TokenDelta]:
+        """(stream, its first message) of a resume the scheduler accepted; retries while it
+        is unreachable, for up to resume_timeout_s. Only the request this Submit created is
         resumed (its owner token): a Submit refused while another request with its id runs
         finds nothing (NOT_FOUND), never the other request's tokens."""
         request_id = req.request_id
@@ -183,10 +203,11 @@ class SchedulerClient:
             owner_token=req.owner_token,
         )
         while True:
-            call = self._stub.Resume(resume, metadata=self._metadata)
+            call = self._current().open(scheduler_pb2.SessionRequest(resume=resume))
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as exc:
+                call.cancel()
                 if exc.code() is grpc.StatusCode.NOT_FOUND and not has_output:
                     # The scheduler never took the request: report why Submit failed.
                     if isinstance(cause, grpc.aio.AioRpcError):

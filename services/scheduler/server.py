@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import grpc
 
 from services.common.auth import Authenticator, OpenAccess
 from services.common.errors import InvalidRequest
-from services.common.pb import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
+from services.common.pb import sampling_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.security import require_admin
 from services.common.serving import GrpcServer
@@ -19,28 +20,12 @@ from services.scheduler.ownership import request_key
 from services.scheduler.pipeline import Pipeline
 from services.scheduler.scheduler import PauseMode
 from services.scheduler.service import SchedulerService
-from services.scheduler.state import TokenDelta
+from services.scheduler.session import RouterSession, delta_to_pb
 from services.scheduler.weights import WeightControl
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-
-
-def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
-    msg = scheduler_pb2.TokenDelta(
-        request_id=delta.request_id,
-        offset=delta.offset,
-        token_ids=delta.token_ids,
-        finish_reason=FINISH_TO_PB[delta.finish_reason],
-        num_cached_tokens=delta.num_cached_tokens,
-        weight_version=delta.weight_version,
-    )
-    if delta.error:
-        msg.error = delta.error
-    if delta.logprobs:
-        msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)
-    return msg
 
 
 PAUSE_MODES = {
@@ -100,6 +85,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async for delta in self.service.resume(key, request.from_offset, request.owner_token):
             yield delta_to_pb(delta)
 
+    async def Session(self, request_iterator, context):
+        session = RouterSession(self.service, traceparents=self.service.observer is not None)
+        async for response in session.run(request_iterator):
+            yield response
+
     async def GetStats(self, request, context):
         return await stats_to_pb(self.service, reset_timelines=request.reset_timelines)
 
@@ -157,11 +147,12 @@ async def stats_to_pb(
     service: SchedulerService, reset_timelines: bool = False
 ) -> scheduler_pb2.SchedulerStats:
     msg = scheduler_pb2.SchedulerStats(
-        num_stages=len(service.pipeline.addresses),
+        num_stages=service.pipeline.num_stages,
         serving=service.serving,
         scheduling=service.config.scheduling.value,
         num_steps=service.counters.num_steps,
         not_serving_reason=service.not_serving_reason or "",
+        cpu_seconds=time.process_time(),
         paused=service.pause_mode is not None,
         pause_mode=PAUSE_MODES_TO_PB[service.pause_mode],
         weight_version=service.weight_version,

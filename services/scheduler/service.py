@@ -59,6 +59,13 @@ RECOVER_RETRY_S = (1.0, 30.0)
 """First and longest wait between tries to read the request state from Redis at start."""
 
 
+class Subscriber(Protocol):
+    """Where a request's deltas go: an asyncio.Queue (Submit, Resume) or a session's stream.
+    `put_nowait` is called from the scheduling loop and must not block."""
+
+    def put_nowait(self, delta: TokenDelta) -> None: ...
+
+
 class SchedulerHooks(Protocol):
     """What the service tells its observer (services/scheduler/observability.py: the event
     trace, spans and metrics)."""
@@ -104,7 +111,7 @@ class SchedulerService:
         """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._reaper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
-        self._subscribers: dict[str, list[asyncio.Queue]] = {}
+        self._subscribers: dict[str, list[Subscriber]] = {}
         self._tombstones = Tombstones()
         self._wake = asyncio.Event()
         self._inflight = 0
@@ -193,15 +200,17 @@ class SchedulerService:
         weight: float = 0.0,
         traceparent: str | None = None,
         owner_token: str = "",
-    ) -> asyncio.Queue:
-        """Queues a request; returns the queue its deltas arrive on. Raises the core's
-        errors (QueueFull, PromptTooLong, InvalidRequest, StateStoreError). `traceparent`
-        (W3C) names the router's span, the parent of this request's span. `request_id` is
-        the namespaced key (ownership.request_key); an abort of it with `owner_token` that
-        came first makes the queue end at once with "abort", and nothing runs."""
+        subscriber: Subscriber | None = None,
+    ) -> Subscriber:
+        """Queues a request; returns the subscriber its deltas are put to (`subscriber`, or a
+        new asyncio.Queue). Raises the core's errors (QueueFull, PromptTooLong,
+        InvalidRequest, StateStoreError). `traceparent` (W3C) names the router's span, the
+        parent of this request's span. `request_id` is the namespaced key
+        (ownership.request_key); an abort of it with `owner_token` that came first ends the
+        deltas at once with "abort", and nothing runs."""
+        queue = subscriber if subscriber is not None else asyncio.Queue()
         if self._tombstones.take(request_id, owner_token):
             logger.info("%s was aborted before its Submit arrived: not queued", request_id)
-            queue: asyncio.Queue = asyncio.Queue()
             queue.put_nowait(TokenDelta(request_id, [], 0, "abort"))
             return queue
         if not self.serving or self.scheduler is None:
@@ -234,7 +243,6 @@ class SchedulerService:
             extra_key=Request.cache_salt(tenant),
             owner_token=owner_token,
         )
-        queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add_request(request)
         if self.observer is not None:
             self.observer.on_submit(request, traceparent)
@@ -242,7 +250,7 @@ class SchedulerService:
         self._wake.set()
         return queue
 
-    def unsubscribe(self, request_id: str, queue: asyncio.Queue) -> None:
+    def unsubscribe(self, request_id: str, queue: Subscriber) -> None:
         """The stream reading `queue` ended; a request left without any is an orphan."""
         queues = self._subscribers.get(request_id)
         if queues and queue in queues:
@@ -524,7 +532,7 @@ class SchedulerService:
             self._weights_problem = None
             return
         self._weights_problem = (
-            f"the stages serve different weights (versions {versions}, stage order): a stage "
+            f"the stages serve different weights (versions {versions}, in --workers order): a stage "
             "restarted and loaded --model again; run UpdateWeights (every layer) so that "
             "they agree"
         )

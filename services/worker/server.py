@@ -62,8 +62,11 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     is loaded, and until then Describe says not ready and Run answers UNAVAILABLE.
     """
 
-    def __init__(self, stage: int, num_stages: int, model_name: str):
+    def __init__(
+        self, stage: int, num_stages: int, model_name: str, tp_rank: int = 0, tp_size: int = 1
+    ):
         self.stage, self.num_stages = stage, num_stages
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name = model_name
         self.engine: StageEngine | None = None
         self.weights: WeightUpdates | None = None
@@ -88,6 +91,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 num_stages=self.num_stages,
                 ready=False,
                 model_name=self.model_name,
+                tp_rank=self.tp_rank,
+                tensor_parallel_size=self.tp_size,
             )
         runner = self.engine.runner
         spec = runner.model.stage
@@ -104,6 +109,9 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             vocab_size=runner.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
             device=runner.device_kind,
+            quantization=runner.model.quantization.method if runner.model.quantization else "",
+            tp_rank=self.tp_rank,
+            tensor_parallel_size=self.tp_size,
             weight_version=self.weights.version,
         )
 
@@ -127,6 +135,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     start_ns=r.start_ns,
                     end_ns=r.end_ns,
                     wait_ns=r.wait_ns,
+                    collective_ns=r.collective_ns,
                 )
                 for r in timeline.records
             )
@@ -142,13 +151,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         async with self._session_lock:
             loop = asyncio.get_running_loop()
             reports: asyncio.Queue = asyncio.Queue()
-            is_last = self.engine.transport.is_last
+            # The last stage's tp rank 0 reports tokens; its peers hold the same ones.
+            reports_tokens = self.engine.transport.is_last and self.tp_rank == 0
             observer = self.observer
 
             def on_outcome(outcome: StepOutcome) -> None:
                 if observer is not None:
                     observer.on_outcome(outcome)
-                if is_last or outcome.error:
+                if reports_tokens or outcome.error:
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
             metadata = dict(context.invocation_metadata() or ())
@@ -234,7 +244,13 @@ async def serve(config: WorkerConfig) -> None:
         health_port=config.health_port,
     )
     model_name = Path(config.model_dir).name
-    servicer = StageWorkerServicer(config.stage_index, config.num_stages, model_name)
+    servicer = StageWorkerServicer(
+        config.stage_index,
+        config.num_stages,
+        model_name,
+        config.tp_rank,
+        config.tensor_parallel_size,
+    )
     servicer.authenticator = security.authenticator
     server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
     close_observers = install_observers(
@@ -247,14 +263,18 @@ async def serve(config: WorkerConfig) -> None:
 
         runner, transport = await asyncio.to_thread(build_sim_stage, config)
     else:
+        if config.rank_device.startswith("cuda:"):  # NCCL binds the current device
+            torch.cuda.set_device(config.rank_device)
         runner = await asyncio.to_thread(StageRunner.from_config, config)
         transport = StageTransport(
             config.stage_index,
             config.num_stages,
             config.dist_addr,
-            torch.device(config.device),
+            torch.device(config.rank_device),
             bind_host=config.host,
             secret=config.internal_token,
+            tp_rank=config.tp_rank,
+            tp_size=config.tensor_parallel_size,
         )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings

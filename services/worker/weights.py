@@ -26,6 +26,7 @@ from services.common.errors import InvalidRequest, ModelLoadError
 from services.worker.model.llama import DecoderLayer, StageModel
 from services.worker.model.loader import _fill_layer, _param
 from services.worker.model.packed_linear import PackedLinear, pack_linears
+from services.worker.model.quant import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,16 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """`name`, checked against its full `shape`; `rows` / `cols`: a tensor-parallel
+        rank's [start, end) of the first / second dimension."""
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"the trainer sent part of a layer but not {name!r}")
@@ -86,6 +96,10 @@ class TensorReader:
                 f"config implies {tuple(shape)}"
             )
         self.names_read.append(name)
+        if rows is not None:
+            tensor = tensor[rows[0] : rows[1]]
+        if cols is not None:
+            tensor = tensor[:, cols[0] : cols[1]]
         return tensor.to(dtype)
 
     def close(self) -> None:
@@ -140,7 +154,7 @@ def select_received(model: StageModel, names: set[str]) -> WeightSelection:
 def stage_weights(model: StageModel, reader, selection: WeightSelection, version: int):
     """Builds the selected modules from `reader` (a `SafetensorsReader` or `TensorReader`);
     returns `StagedWeights`. Raises `ModelLoadError` for a missing or misshapen tensor."""
-    config, stage = model.config, model.stage
+    config, stage, vocab_rows = model.config, model.stage, model.tp.shard.vocab
     dtype = _live_dtype(model)
     device = _live_device(model)
     staged = StagedWeights(version)
@@ -150,20 +164,22 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             local = layer_id - stage.layer_start
             live = model.layers[local]
             with torch.device("meta"):
-                layer = DecoderLayer(config, live.self_attn.attention_fn)
+                layer = DecoderLayer(config, live.self_attn.attention_fn, model.tp)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
+            if model.quantization is not None and model.quantization.method is not None:
+                quantize_linears(layer, model.quantization.method)
             if isinstance(live.self_attn.qkv_proj, PackedLinear):
                 pack_linears(layer)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:
-            staged.embed = reader.get(EMBED, vocab_hidden, dtype).to(device)
+            staged.embed = reader.get(EMBED, vocab_hidden, dtype, rows=vocab_rows).to(device)
         if selection.norm:
             staged.norm = reader.get(NORM, (config.hidden_size,), dtype).to(device)
         if selection.lm_head and config.tie_word_embeddings and stage.is_first:
             staged.lm_head = staged.embed  # one tensor, as the loader ties it
         elif selection.lm_head:
             name = EMBED if config.tie_word_embeddings else LM_HEAD
-            staged.lm_head = reader.get(name, vocab_hidden, dtype).to(device)
+            staged.lm_head = reader.get(name, vocab_hidden, dtype, rows=vocab_rows).to(device)
         if staged.lm_head is not None and model.lm_head is not None:
             staged.lm_head_packed = PackedLinear(staged.lm_head)
         staged.num_tensors = len(reader.names_read)

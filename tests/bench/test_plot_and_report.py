@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.bench.compare import ratios
+from services.bench.compare import collective_fractions, ratios
 from services.bench.plot import busy_fraction, plot_trace, stage_slices, steady_window
 from services.bench.report import result_table
 from services.scheduler.timeline import chrome_trace_events
@@ -12,6 +12,7 @@ class _Step:
     def __init__(self, step_id, start_ms, end_ms):
         self.step_id, self.num_requests, self.num_tokens = step_id, 4, 4
         self.start_ns, self.end_ns, self.wait_ns = int(start_ms * 1e6), int(end_ms * 1e6), 0
+        self.collective_ns = int((end_ms - start_ms) * 1e6 * 0.25)  # a quarter in all-reduces
 
 
 class _Timeline:
@@ -40,6 +41,14 @@ def test_steady_window_and_busy_fraction_from_the_middle_of_the_run():
     assert busy_fraction(stages[1], (lo, hi)) == pytest.approx(0.5, abs=0.06)
 
 
+def test_collective_fractions_per_stage_from_the_trace(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(_trace()))
+    assert collective_fractions(trace) == [pytest.approx(0.25), pytest.approx(0.25)]
+
+
 def test_plot_trace_writes_a_png(tmp_path):
     import json
 
@@ -54,6 +63,9 @@ def test_result_table_shows_scheduler_rows_only_with_a_scheduler():
     assert "Bubble" not in result_table(base)
     table = result_table(base | {"bubble_fraction": [0.1, 0.02], "preemptions": 0})
     assert "10.0%, 2.0%" in table and "12.50" in table
+    cpu = {"plans_per_s": 512.25, "scheduler_cpu_per_plan_us": 1234.4}
+    table = result_table(base | cpu | {"scheduler_cpu_per_token_us": 38.57})
+    assert "512.2" in table and "1234" in table and "38.6" in table
 
 
 def test_ratios_against_the_issue_targets():

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from services.client import AsyncConveyorClient
-from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.worker.model.config import ModelConfig
 from services.worker.model.stages import logits_layer_equivalents, split_layers
@@ -45,7 +45,7 @@ def sim_stack(tmp_path_factory):
     port, scheduler_port = free_port(), free_port()
     log = (tmp_path_factory.mktemp("sim") / "conveyor-up.log").open("w")
     argv = [
-        *(sys.executable, "-m", "services.cli", "up", "--model", str(MODEL_DIR)),
+        *(sys.executable, "-m", "services.cli", "up", "--no-http", "--model", str(MODEL_DIR)),
         *("--stages", str(NUM_STAGES), "--device", "sim", "--sim-profile", "h100"),
         *("--port", str(port), "--scheduler-port", str(scheduler_port)),
     ]
@@ -121,3 +121,129 @@ def test_sim_stack_kv_pool_comes_from_the_profile(sim_stack):
     assert stats.num_stages == NUM_STAGES and stats.serving
     assert stats.num_blocks == min(blocks)
     assert stats.num_free_blocks == stats.num_blocks  # every stream above was freed
+
+
+# -- Scheduler.Session: the router's one stream, spoken here directly ------------------------
+class _Session:
+    """A Session call fed from a queue; `updates()` reads until the given streams end."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._commands: asyncio.Queue = asyncio.Queue()
+        self.call = scheduler_pb2_grpc.SchedulerStub(channel).Session(self._send(), timeout=120)
+        self.responses: list[scheduler_pb2.SessionResponse] = []
+
+    async def _send(self):
+        while (command := await self._commands.get()) is not None:
+            yield command
+
+    def send(self, stream_id: int = 0, **command) -> None:
+        self._commands.put_nowait(scheduler_pb2.SessionRequest(stream_id=stream_id, **command))
+
+    async def until_ended(self, stream_ids) -> dict[int, list[scheduler_pb2.SessionUpdate]]:
+        """Every update of `stream_ids` until each one's last (a finish, an end, a status)."""
+        updates: dict[int, list] = {i: [] for i in stream_ids}
+        open_ids = set(stream_ids)
+        while open_ids:
+            response = await self.call.read()
+            assert response is not grpc.aio.EOF, f"session ended with {open_ids} open"
+            self.responses.append(response)
+            for update in response.updates:
+                if update.stream_id in open_ids:
+                    updates[update.stream_id].append(update)
+                    if update.status_code or update.ended or update.delta.finish_reason:
+                        open_ids.discard(update.stream_id)
+        return updates
+
+    async def next_delta(self, stream_id: int) -> scheduler_pb2.TokenDelta:
+        """The next delta of a stream (the others' updates before it are dropped)."""
+        while True:
+            response = await self.call.read()
+            for update in response.updates:
+                if update.stream_id == stream_id and update.HasField("delta"):
+                    return update.delta
+
+
+def _submit(request_id: str, prompt: list[int], max_tokens: int, **fields):
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7)
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, **fields
+    )
+
+
+def _tokens(updates) -> list[int]:
+    return [t for u in updates if u.HasField("delta") for t in u.delta.token_ids]
+
+
+def test_session_streams_many_requests_per_message_with_their_submit_tokens(sim_stack):
+    """One session, 12 requests: each gets exactly what its own Submit stream gets, and the
+    scheduler sent the deltas of several requests in one message."""
+    _, scheduler = sim_stack
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(12)]
+
+    async def main():
+        async with grpc.aio.insecure_channel(scheduler) as channel:
+            session = _Session(channel)
+            for i, prompt in enumerate(prompts):
+                session.send(i + 1, submit=_submit(f"s{i}", prompt, 16, principal="alice"))
+            updates = await session.until_ended(range(1, 13))
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            alone = []
+            for i, prompt in enumerate(prompts):
+                deltas = [d async for d in stub.Submit(_submit(f"alone{i}", prompt, 16))]
+                alone.append([t for d in deltas for t in d.token_ids])
+            session.call.cancel()
+            return updates, session.responses, alone
+
+    updates, responses, alone = asyncio.run(main())
+    for i in range(12):
+        stream = updates[i + 1]
+        assert _tokens(stream) == alone[i] and len(alone[i]) == 16
+        assert stream[0].delta.num_prompt_tokens == 3
+        assert stream[-1].delta.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert max(len(r.updates) for r in responses) > 1
+
+
+def test_session_checks_owners_refuses_bad_commands_and_aborts(sim_stack):
+    _, scheduler = sim_stack
+    owner = {"principal": "bob", "owner_token": "right"}
+    wrong = {"principal": "bob", "owner_token": "wrong"}
+
+    async def main():
+        async with grpc.aio.insecure_channel(scheduler) as channel:
+            session = _Session(channel)
+            session.send(1, submit=_submit("long", [1, 2, 3], 4000, **owner))
+            session.send(2, submit=_submit("bad", [], 4))  # no prompt: INVALID_ARGUMENT
+            session.send(3, submit=_submit("long", [1, 2], 4, **owner))  # running: exists
+            bad = await session.until_ended([2, 3])
+            await session.next_delta(1)  # running
+            session.send(abort=scheduler_pb2.AbortRequest(request_id="long", **wrong))
+            resume_as = scheduler_pb2.ResumeRequest(request_id="long", from_offset=0, **wrong)
+            session.send(4, resume=resume_as)
+            refused = await session.until_ended([4])
+            still = await session.next_delta(1)  # commands act in order: after the abort
+            session.send(5, resume=scheduler_pb2.ResumeRequest(request_id="long", **owner))
+            session.send(abort=scheduler_pb2.AbortRequest(request_id="long", **owner))
+            ended = await session.until_ended([1, 5])
+            session.send(5, cancel=True)  # already ended: nothing happens
+            session.send(6, submit=_submit("again", [4, 5], 3))
+            again = await session.until_ended([6])
+            session.send(6, submit=_submit("twice", [4, 5], 3))
+            session.send(6, submit=_submit("twice-more", [4, 5], 3))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await session.until_ended([])
+                while await session.call.read() is not grpc.aio.EOF:
+                    pass
+            return bad, refused, still, ended, again, error.value
+
+    bad, refused, still, ended, again, error = asyncio.run(main())
+    assert bad[2][-1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "prompt" in bad[2][-1].status_message
+    assert bad[3][-1].status_code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert refused[4][-1].status_code == grpc.StatusCode.NOT_FOUND.value[0]
+    abort = common_pb2.FINISH_REASON_ABORT
+    assert ended[1][-1].delta.finish_reason == abort == ended[5][-1].delta.finish_reason
+    assert still.token_ids and not still.finish_reason  # the wrong owner's abort did nothing
+    last = ended[1][-1].delta
+    assert len(_tokens(ended[5])) == last.offset + len(last.token_ids)  # resumed from 0
+    assert len(_tokens(again[6])) == 3
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and "stream_id 6" in error.details()

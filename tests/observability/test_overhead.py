@@ -169,8 +169,8 @@ class FakeSchedulerClient:
         yield SchedulerDelta(offset=0, token_ids=[65, 66], num_prompt_tokens=len(req.prompt_ids))
         yield SchedulerDelta(offset=2, token_ids=[67], finish_reason="length")
 
-    async def abort(self, request_id):
-        return True
+    def abort(self, request_id, principal="", owner_token=""):
+        pass
 
 
 def run_router(model_dir, metrics=None, tracing=None) -> tuple[FakeSchedulerClient, list]:

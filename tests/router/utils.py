@@ -123,6 +123,71 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(serving=True)
 
+    async def Session(self, request_iterator, context):
+        """Each command runs as the RPC of its name, on a stream of the session."""
+        updates: asyncio.Queue = asyncio.Queue()
+        streams: dict[int, asyncio.Task] = {}
+        stream_context = _StreamContext(context)
+
+        async def run(stream_id: int, deltas) -> None:
+            try:
+                async for delta in deltas:
+                    updates.put_nowait(
+                        scheduler_pb2.SessionUpdate(stream_id=stream_id, delta=delta)
+                    )
+                    if delta.finish_reason:
+                        return
+                    await asyncio.sleep(0)  # let aborts and cancels in (endless mode)
+                updates.put_nowait(scheduler_pb2.SessionUpdate(stream_id=stream_id, ended=True))
+            except _StreamAbort as exc:
+                update = scheduler_pb2.SessionUpdate(
+                    stream_id=stream_id, status_code=exc.code.value[0], status_message=exc.details
+                )
+                updates.put_nowait(update)
+
+        async def read() -> None:
+            async for command in request_iterator:
+                which, stream_id = command.WhichOneof("command"), command.stream_id
+                if which == "abort":
+                    await self.Abort(command.abort, stream_context)
+                elif which == "cancel":
+                    streams.pop(stream_id).cancel()
+                else:
+                    rpc = self.Submit if which == "submit" else self.Resume
+                    deltas = rpc(getattr(command, which), stream_context)
+                    streams[stream_id] = asyncio.create_task(run(stream_id, deltas))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                batch = [await updates.get()]
+                while not updates.empty():
+                    batch.append(updates.get_nowait())
+                yield scheduler_pb2.SessionResponse(updates=batch)
+        finally:
+            for task in (reader, *streams.values()):
+                task.cancel()
+
+
+class _StreamAbort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _StreamContext:
+    """What Submit and Resume see of a session stream: the session's metadata, and an abort
+    that ends only this stream (with the status the router reads as that call's)."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise _StreamAbort(code, details)
+
 
 class FakeSchedulerServer:
     """Runs a FakeScheduler (and a SERVING health service) in a background event loop."""

@@ -285,11 +285,15 @@ METHODS = [
     ("scheduler", "/conveyor.v1.Scheduler/Abort", "unary_unary"),
     ("scheduler", "/conveyor.v1.Scheduler/Resume", "unary_stream"),
     ("scheduler", "/conveyor.v1.Scheduler/GetStats", "unary_unary"),
+    ("scheduler", "/conveyor.v1.Scheduler/Session", "stream_stream"),
 ]
 VALID = [
     generation_pb2.GenerateRequest(text="hi").SerializeToString(),
     scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2]).SerializeToString(),
     scheduler_pb2.ResumeRequest(request_id="x", from_offset=3).SerializeToString(),
+    scheduler_pb2.SessionRequest(
+        stream_id=1, submit=scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2])
+    ).SerializeToString(),
 ]
 
 

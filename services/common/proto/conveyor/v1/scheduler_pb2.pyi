@@ -176,7 +176,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "paused", "pause_mode", "weight_version", "num_weight_updates")
+    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds")
     class RequestBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,10 +203,7 @@ class SchedulerStats(_message.Message):
     REQUEST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
-    PAUSED_FIELD_NUMBER: _ClassVar[int]
-    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    NUM_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preempted_total: int
@@ -226,8 +223,49 @@ class SchedulerStats(_message.Message):
     request_blocks: _containers.ScalarMap[str, int]
     block_size: int
     not_serving_reason: str
+    cpu_seconds: float
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("stream_id", "submit", "resume", "abort", "cancel", "traceparent")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    submit: SubmitRequest
+    resume: ResumeRequest
+    abort: AbortRequest
+    cancel: bool
+    traceparent: str
+    def __init__(self, stream_id: _Optional[int] = ..., submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("stream_id", "delta", "status_code", "status_message", "ended")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    delta: TokenDelta
+    status_code: int
+    status_message: str
+    ended: bool
+    def __init__(self, stream_id: _Optional[int] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., ended: _Optional[bool] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("updates", "paused", "pause_mode", "weight_version", "num_weight_updates")
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
     paused: bool
     pause_mode: PauseMode
     weight_version: int
     num_weight_updates: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ...) -> None: ...
+    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ...) -> None: ...

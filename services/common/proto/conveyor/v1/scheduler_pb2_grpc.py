@@ -58,6 +58,11 @@ class SchedulerStub:
                 request_serializer=conveyor_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/conveyor.v1.Scheduler/Session',
+                request_serializer=conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/conveyor.v1.Scheduler/Pause',
                 request_serializer=conveyor_dot_v1_dot_scheduler__pb2.PauseRequest.SerializeToString,
@@ -88,7 +93,8 @@ class SchedulerServicer:
     """
 
     def Submit(self, request, context):
-        """Queues a request and streams its token deltas until it finishes.
+        """Queues a request and streams its token deltas until it finishes. Routers use Session;
+        Submit, Abort and Resume serve callers with a request or two (operators, scripts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +117,18 @@ class SchedulerServicer:
 
     def GetStats(self, request, context):
         """Queue, KV cache and pipeline statistics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Every request of one router on one stream: the router sends submits, resumes, aborts
+        and cancels as commands, and the scheduler answers with the updates of many requests
+        per message (one message per step, not one per request and token). A command acts as
+        the RPC of the same name; what Submit and Resume would answer with a status arrives as
+        an update carrying that status. The session ends when either side ends it; its
+        requests then run on (a router resumes them on its next session).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +192,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.SerializeToString,
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
@@ -308,6 +331,33 @@ class Scheduler:
             '/conveyor.v1.Scheduler/GetStats',
             conveyor_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             conveyor_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/conveyor.v1.Scheduler/Session',
+            conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

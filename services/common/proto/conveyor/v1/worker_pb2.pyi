@@ -141,7 +141,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device", "weight_version")
+    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device", "quantization", "tp_rank", "tensor_parallel_size", "weight_version")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,9 @@ class DescribeResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
@@ -167,8 +170,11 @@ class DescribeResponse(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
+    quantization: str
+    tp_rank: int
+    tensor_parallel_size: int
     weight_version: int
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("include_steps", "reset")
@@ -179,20 +185,22 @@ class GetTimelineRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns")
+    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns", "collective_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_requests: int
     num_tokens: int
     start_ns: int
     end_ns: int
     wait_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ...) -> None: ...
+    collective_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., collective_ns: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
     __slots__ = ("stage", "busy_fraction", "bubble_fraction", "num_steps", "steps")

@@ -521,6 +521,12 @@ class SchedulerService:
         """The stages serve different weights (one restarted since an update)."""
         return self._weights_problem is not None
 
+    def stages_diverged(self, reason: str) -> None:
+        """Some stages may serve other weights than the rest: step nothing until an update."""
+        self._weights_problem = f"{reason}; run UpdateWeights (every layer) so that they agree"
+        logger.error("%s", self._weights_problem)
+        self._update_health()
+
     def _check_stage_weights(self, versions: list[int]) -> None:
         """Adopts the stages' weight version when they agree (a restarted scheduler); else
         stops stepping: a stage that restarted after an update serves --model again."""

@@ -179,12 +179,11 @@ class WeightControl:
         ]
         try:
             await _gather_stages(calls)
-        except ConveyorError:
-            # A swap is a pointer change: only a stage that died fails it, and a restarted
-            # stage loads --model again. Say so loudly; the next update makes them agree.
-            logger.error(
-                "a stage failed to commit weights version %d: stages may disagree", version
-            )
+        except ConveyorError as exc:
+            # A swap is a pointer change: only a stage that died fails it. The others may have
+            # swapped already: step nothing until an update makes them agree again.
+            reason = f"a stage failed to commit weights version {version}: {exc}"
+            self.service.stages_diverged(reason)
             raise
 
     async def _discard(self) -> None:

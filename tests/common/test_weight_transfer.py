@@ -92,3 +92,31 @@ def test_admin_calls_on_an_open_service_come_from_this_machine_only(peer, is_loc
             require_admin(_Context(peer), OpenAccess())
     # With the internal token on, the interceptor has checked the caller: any peer may.
     require_admin(_Context(peer), InternalAuth("secret", requires_certificate=False))
+
+
+def test_scheduler_metrics_say_paused_and_the_weight_version():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.common.metrics import SchedulerCollector, SchedulerSnapshot
+
+    snapshot = SchedulerSnapshot(
+        num_running=1,
+        num_waiting=2,
+        num_preemptions=0,
+        num_steps=5,
+        num_inflight=0,
+        kv_usage=0.1,
+        num_free_blocks=10,
+        num_cached_blocks=0,
+        num_queried_tokens=0,
+        num_hit_tokens=0,
+        is_paused=True,
+        weight_version=3,
+        num_weight_updates=3,
+    )
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(lambda: snapshot))
+    text = generate_latest(registry).decode()
+    assert "conveyor:engine_paused 1.0" in text
+    assert "conveyor:weight_version 3.0" in text
+    assert "conveyor:weight_updates_total 3.0" in text

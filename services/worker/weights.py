@@ -26,6 +26,7 @@ from services.common.errors import InvalidRequest, ModelLoadError
 from services.worker.model.llama import DecoderLayer, StageModel
 from services.worker.model.loader import _fill_layer, _param
 from services.worker.model.packed_linear import PackedLinear, pack_linears
+from services.worker.model.quant import quantize_like
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,15 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """As `SafetensorsReader.get`: `rows` / `cols` cut a tensor-parallel shard."""
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"the trainer sent part of a layer but not {name!r}")
@@ -83,6 +92,10 @@ class TensorReader:
                 f"config implies {tuple(shape)}"
             )
         self.names_read.append(name)
+        if rows is not None:
+            tensor = tensor[rows[0] : rows[1]]
+        if cols is not None:
+            tensor = tensor[:, cols[0] : cols[1]]
         return tensor.to(dtype)
 
     def close(self) -> None:
@@ -149,6 +162,7 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             with torch.device("meta"):
                 layer = DecoderLayer(config, live.self_attn.attention_fn)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
+            quantize_like(model, layer, dtype)
             if isinstance(live.self_attn.qkv_proj, PackedLinear):
                 pack_linears(layer)
             staged.layers[local] = layer.to(device).eval()

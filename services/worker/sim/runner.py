@@ -56,6 +56,8 @@ class SimStageModel:
 
     def __init__(self, config: ModelConfig, stage: StageSpec) -> None:
         self.config, self.stage = config, stage
+        self.quantization = None
+        """No weights, so nothing quantized (Describe reads it)."""
         self._wire = torch.empty(0, dtype=WIRE_DTYPE)
 
     def parameters(self):

@@ -71,13 +71,13 @@ def reference_under_load(smollm2_dir, smollm2_prompts):
     return prompts, hf_greedy_reference(smollm2_dir, prompts, NUM_NEW_UNDER_LOAD)
 
 
-def test_tp_rank_killed_under_load_is_recovered(tp_stack, reference_under_load):
+def test_tp_rank_killed_under_load_is_recovered(tp_stack, request):
     """The last worker (the last stage's tp rank 1) dies mid-run, its peer in the middle of an
     all-reduce and stage 0 of a send: the pipeline says NOT_SERVING, and once the rank is back
     every request completes with the reference tokens."""
     if tp_stack.stages == 1:
         pytest.skip("at P = 2 only, to keep the suite short (the peer's all-reduce fails alike)")
-    prompts, reference = reference_under_load
+    prompts, reference = request.getfixturevalue("reference_under_load")  # after the skip
     outcomes: dict[int, Outcome] = {}
 
     def run(i):

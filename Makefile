@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 PROTO_SRC := $(wildcard protos/conveyor/v1/*.proto)
 
-.PHONY: install test test-compose lint format proto demo bench model clean
+.PHONY: install test test-compose lint format proto demo bench bench-peers model clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -41,6 +41,12 @@ demo: install model
 
 bench: install model
 	$(PY) -m services.cli bench --compare
+
+# Against vLLM's CPU build and OpenVINO GenAI, each built in its own virtualenv under
+# ~/.cache/conveyor/peers on first use (slow: minutes). ROUNDS=2 DTYPE=bfloat16 to vary.
+bench-peers: install model
+	$(PY) -m services.cli bench --compare --peers vllm,openvino --rounds $(or $(ROUNDS),1) \
+		--dtype $(or $(DTYPE),float32)
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache .hypothesis

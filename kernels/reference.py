@@ -97,3 +97,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up with gate = x[:, :I], up = x[:, I:]."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[T, K] x, [N, K] float8_e4m3fn weight, [N] float32 scale -> [T, N] in x's dtype:
+    x @ (weight * scale).T, computed in fp32."""
+    return (x.float() @ weight.float().T * scale.float()).to(x.dtype)

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "health": ("services.common.health_cli", "check a Conveyor service's gRPC health"),
     "stats": ("services.common.stats_cli", "KV memory monitor: block usage, queues, bubble"),
     "bench": ("services.bench.cli", "benchmark a running stack, or --compare scheduling modes"),
+    "eval": ("services.eval.cli", "quality: perplexity and greedy agreement of (quantized) models"),
     "keys": ("services.router.api_keys", "make API keys for the router's --api-key-file"),
     "certs": ("services.common.certs", "make development certificates for TLS between services"),
 }

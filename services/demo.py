@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             str(free_port()),
             "--kv-cache-memory",
             "512MiB",
+            "--no-http",
         ]
     )
     print(f"starting Conveyor: {model}, 2 pipeline stages, async scheduling ...", flush=True)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.affinity import default_threads, stage_cpus
+from services.common.affinity import available_cpus, default_threads, stage_cpus
 from services.common.config import default_of
 from services.common.errors import ConfigError
 from services.common.process import child_env
@@ -34,8 +34,9 @@ from services.common.security import (
     add_tls_arguments,
     check_tls_files,
 )
+from services.router.config import DEFAULT_HTTP_PORT
 from services.worker.cli import add_sim_arguments
-from services.worker.config import DEVICES, WorkerConfig
+from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +226,12 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         dist_addr = f"{INTERNAL_HOST}:{free_port()}"
         worker_addrs = []
         env = dict(os.environ)
-        threads = args.threads or default_threads(args.stages)
-        pinned = stage_cpus(args.stages, threads) if args.cpu_affinity == "auto" else None
-        for stage in range(args.stages):
+        tp_size = check_parallel(args)
+        num_ranks = args.stages * tp_size
+        threads = args.threads or default_threads(num_ranks)
+        pinned = stage_cpus(num_ranks, threads) if args.cpu_affinity == "auto" else None
+        for rank in range(num_ranks):  # stage-major: the order --workers wants
+            stage, tp_rank = divmod(rank, tp_size)
             port = free_port()
             worker_addrs.append(f"{INTERNAL_HOST}:{port}")
             argv = [
@@ -238,6 +242,10 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 str(stage),
                 "--stages",
                 str(args.stages),
+                "--tensor-parallel-size",
+                str(tp_size),
+                "--tp-rank",
+                str(tp_rank),
                 "--dist-addr",
                 dist_addr,
                 "--port",
@@ -256,11 +264,13 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 argv += ["--layer-split", args.layer_split]
             if args.linear_backend != "auto":
                 argv += ["--linear-backend", args.linear_backend]
+            if args.quantization:
+                argv += ["--quantization", args.quantization]
             if pinned:
-                argv += ["--cpu-affinity", ",".join(map(str, pinned[stage]))]
+                argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
             argv += _device_args(args)
-            argv += _observability_args(args, 2 + stage)
-            stack.spawn(f"worker {stage}", argv, env)
+            argv += _observability_args(args, 2 + rank)
+            stack.spawn(f"worker {stage}" + (f".{tp_rank}" if tp_size > 1 else ""), argv, env)
         scheduler_port = args.scheduler_port or free_port()
         scheduler_addr = f"{INTERNAL_HOST}:{scheduler_port}"
         stack.scheduler_address = scheduler_addr
@@ -298,6 +308,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             args.host,
             *public,
             *_observability_args(args, 0),
+            *_http_args(args),
             *args.router_args,
         ]
         stack.spawn("router", argv, env)
@@ -307,6 +318,42 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     except BaseException:
         stack.stop()
         raise
+
+
+def check_parallel(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, checked against the model (heads, vocabulary) and against
+    this machine: stages x ranks processes need as many cores (CPU) or GPUs (CUDA)."""
+    tp_size = getattr(args, "tensor_parallel_size", 1)
+    if tp_size == 1:
+        return 1
+    if args.device == "sim":
+        raise ConfigError(
+            f"--tensor-parallel-size={tp_size} runs real ranks; with --device sim model them "
+            "with --sim-tensor-parallel-size"
+        )
+    from services.common.errors import ModelLoadError
+    from services.worker.model.config import ModelConfig
+    from services.worker.model.tensor_parallel import check_tensor_parallel
+
+    try:
+        model = ModelConfig.from_dir(args.model)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_tensor_parallel(model, tp_size, source=args.model)
+    num_ranks = args.stages * tp_size
+    if args.device == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = len(available_cpus()), "cores"
+    if num_ranks > have and not (args.device == "cpu" and getattr(args, "oversubscribe", False)):
+        raise ConfigError(
+            f"--tensor-parallel-size={tp_size} x --pipeline-parallel-size={args.stages} = "
+            f"{num_ranks} worker processes, but this machine has {have} {what}"
+            + (" (--oversubscribe allows it on CPU)" if args.device == "cpu" else "")
+        )
+    return tp_size
 
 
 def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -345,6 +392,23 @@ def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return [*tls, *token], public
 
 
+def _serves_http(args: argparse.Namespace) -> bool:
+    """The router serves the HTTP API unless --no-http, or client certificates without API
+    keys (the HTTP API authenticates with keys only)."""
+    return not args.no_http and not (args.tls_client_ca and not args.api_key_file)
+
+
+def _http_args(args: argparse.Namespace) -> list[str]:
+    if _serves_http(args):
+        return ["--http-port", str(args.http_port)]
+    if not args.no_http:
+        logger.warning(
+            "no OpenAI-compatible HTTP API: with --tls-client-ca it needs --api-key-file "
+            "(it cannot read client certificates' identities)"
+        )
+    return []
+
+
 def _client_security(args: argparse.Namespace) -> ClientSecurity:
     """How the launcher reaches the services' health: their CA and, for mutual TLS, the
     services' certificate."""
@@ -376,7 +440,7 @@ def _device_args(args: argparse.Namespace) -> list[str]:
 
 
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
-    """--metrics-port (the router on N, the scheduler on N+1, stage i on N+2+i) and
+    """--metrics-port (the router on N, the scheduler on N+1, worker i on N+2+i, stage-major) and
     --otlp-endpoint for one child."""
     argv = []
     if args.metrics_port is not None:
@@ -394,7 +458,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="stages",
         type=int,
         default=2,
-        help="pipeline stages, one worker process each (default: 2)",
+        help="pipeline stages, one worker process per tensor-parallel rank each (default: 2)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per stage, one worker process each; stages x ranks must "
+        "not exceed the cores (CPU) or GPUs (CUDA) (default: 1)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="CPU: allow more worker processes (stages x tp ranks) than cores, e.g. to "
+        "measure tensor parallelism on a small machine (default: refused)",
     )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
     parser.add_argument(
@@ -421,6 +498,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="workers' weight-only quantization, per output channel at load "
+        "(default: the checkpoint's own)",
+    )
+    parser.add_argument(
         "--device",
         choices=list(DEVICES),
         default=default_of(WorkerConfig, "device"),
@@ -432,7 +516,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="intra-op threads per worker (default: cores / stages)",
+        help="intra-op threads per worker (default: cores / (stages x tp ranks))",
     )
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
     parser.add_argument(
@@ -445,7 +529,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-affinity",
         choices=["auto", "off"],
         default="auto",
-        help="auto: pin each stage to its own cores when stages x threads fit "
+        help="auto: pin each worker to its own cores when workers x threads fit "
         "on this machine's cores (default: auto)",
     )
     parser.add_argument(
@@ -464,7 +548,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Prometheus metrics: the router on N, the scheduler on N+1, "
-        "stage i on N+2+i (default: off)",
+        "worker i on N+2+i, i = stage x ranks + tp rank (default: off)",
     )
     parser.add_argument(
         "--otlp-endpoint",
@@ -499,6 +583,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to the scheduler, e.g. --scheduler-arg=--max-num-seqs=64",
     )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="the router's OpenAI-compatible HTTP API on this port, bound like --port "
+        f"(default: {DEFAULT_HTTP_PORT})",
+    )
+    parser.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
     parser.add_argument(
         "--router-arg",
         dest="router_args",
@@ -546,8 +638,10 @@ def run(args: argparse.Namespace) -> int:
     except StackFailed as exc:
         logger.error("%s; the stack did not start", exc)
         return 1
+    tp_note = f" x {args.tensor_parallel_size} tp ranks" if args.tensor_parallel_size > 1 else ""
+    http = f", OpenAI API on port {args.http_port}" if _serves_http(args) else ""
     print(
-        f"conveyor is serving on {address} ({args.stages} stages, {args.scheduling}); "
+        f"conveyor is serving on {address} ({args.stages} stages{tp_note}, {args.scheduling}{http}); "
         f"scheduler on {stack.scheduler_address}",
         flush=True,
     )

@@ -19,6 +19,7 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.reference import (
+    fp8_linear_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
     rms_norm_ref,
@@ -74,6 +75,7 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_correctness(device: str) -> list[str]:
     """Each kernel vs its reference on small-to-medium shapes; returns failure lines."""
+    from kernels.fp8_matmul import fp8_linear
     from kernels.paged_attention import paged_attention
     from kernels.reshape_and_cache import reshape_and_cache
     from kernels.rms_norm import rms_norm
@@ -93,6 +95,15 @@ def check_correctness(device: str) -> list[str]:
 
     mixed = [(0, 100), (37, 1), (500, 64), (1000, 1), (3, 1)]
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for rows in (1, 33, 300):
+            w, s = _fp8_weight(1000, 576, device)
+            x = torch.randn(rows, 576, device=device, dtype=dtype)
+            expect(
+                f"fp8_linear [{rows},576]x[1000,576]",
+                dtype,
+                fp8_linear(x, w, s),
+                fp8_linear_ref(x, w, s),
+            )
         for label, (hq, hkv, d) in HEAD_SHAPES.items():
             for seqs, kind, splits in (
                 (mixed, "mixed", None),
@@ -206,6 +217,32 @@ def time_pointwise(device: str) -> None:
         print(f"  {name:30} {do_bench(ours) * 1e3:10.1f} {do_bench(theirs) * 1e3:10.1f}")
 
 
+def _fp8_weight(out_features: int, in_features: int, device: str):
+    from services.worker.model.quant import quantize_fp8
+
+    weight = torch.randn(out_features, in_features, device=device)
+    return quantize_fp8(weight)
+
+
+def time_fp8(device: str) -> None:
+    """Prints the FP8 weight-only matmul vs a bf16 F.linear (Llama-8B MLP shapes): decode
+    reads the weight once per step, so its target is half the bf16 time (issue 22)."""
+    from triton.testing import do_bench
+
+    from kernels.fp8_matmul import fp8_linear
+
+    print(f"\n  {'fp8 matmul (bf16 x)':34} {'fp8 us':>10} {'bf16 us':>10} {'ratio':>7}")
+    for rows in (1, 16, 64, 512):
+        for out_features, in_features in ((2 * 14336, 4096), (4096, 14336)):
+            w, s = _fp8_weight(out_features, in_features, device)
+            w_bf16 = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16)
+            x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
+            ours = do_bench(lambda: fp8_linear(x, w, s)) * 1e3  # noqa: B023
+            theirs = do_bench(lambda: torch.nn.functional.linear(x, w_bf16)) * 1e3  # noqa: B023
+            name = f"[{rows},{in_features}]x[{out_features}]"
+            print(f"  {name:34} {ours:10.1f} {theirs:10.1f} {ours / theirs:6.2f}x")
+
+
 def check_generation(model_dir: str, device: str, num_tokens: int = 32) -> bool:
     """Greedy generation through the worker's model, attention_backend triton vs torch."""
     try:
@@ -313,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_timing:
         time_attention(device)
         time_pointwise(device)
+        time_fp8(device)
     if args.model and not check_generation(args.model, device):
         failures.append("greedy generation: triton and torch differ in the first 8 tokens")
     if args.model and args.pipeline:

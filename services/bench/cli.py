@@ -3,6 +3,7 @@
     conveyor bench --server localhost:50051 --scheduler localhost:50052 \\
         --num-prompts 64 --input-len 128 --output-len 128 --request-rate inf --json out.json
     conveyor bench --compare [--num-prompts 16 --input-len 32 --output-len 32]
+    conveyor bench --backend openai --server localhost:8000   # the OpenAI-compatible API
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.bench.run import DATASETS
 
     parser.add_argument(
-        "--server", default="localhost:50051", help="router address (default: localhost:50051)"
+        "--server",
+        default=None,
+        help="router address (default: localhost:50051; with --backend openai the HTTP "
+        "API's, localhost:8000)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: conveyor.v1.Generation; openai: the router's OpenAI-compatible HTTP API "
+        "(streamed /v1/completions with the openai client) (default: grpc)",
     )
     parser.add_argument(
         "--scheduler",
@@ -128,6 +139,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--skip-hf", action="store_true", help="leave out the transformers baseline"
     )
+    compare.add_argument(
+        "--peers",
+        default=None,
+        help="compare with these CPU engines instead of transformers: vllm,openvino (each "
+        "built in its own virtualenv under --peers-dir on first use)",
+    )
+    compare.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--peers: run every system this many times, alternating; medians (default: 1)",
+    )
+    compare.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="--peers: the dtype of Conveyor's stacks and of the peers (default: float32)",
+    )
+    compare.add_argument(
+        "--peers-dir",
+        default=None,
+        help="--peers: where the peers' virtualenvs live "
+        "(default: $CONVEYOR_PEERS_DIR or ~/.cache/conveyor/peers)",
+    )
     # --compare --device sim: services/bench/sim_experiment.py
     group = parser.add_argument_group("--compare --device sim")
     group.add_argument(
@@ -176,9 +211,20 @@ def _workload(args: argparse.Namespace):
     )
 
 
+def _check_peer_flags(args: argparse.Namespace) -> None:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
+    peer_only = args.rounds != 1 or args.dtype != "float32" or args.peers_dir
+    if peer_only and not (args.compare and args.peers):
+        raise SystemExit("--rounds, --dtype and --peers-dir go with --compare --peers")
+    if args.peers and args.device != "cpu":
+        raise SystemExit("--peers runs on the CPU: leave out --device sim")
+
+
 def run(args: argparse.Namespace) -> int:
     from services.bench.driver import DriverOptions
 
+    _check_peer_flags(args)
     options = DriverOptions(
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
@@ -188,11 +234,16 @@ def run(args: argparse.Namespace) -> int:
         security=ClientSecurity.from_files(
             args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
         ),
+        backend=args.backend,
     )
     if args.compare and args.device == "sim":
         from services.bench.sim_experiment import run_sim_compare
 
         return run_sim_compare(args)
+    if args.compare and args.peers:
+        from services.bench.peer_compare import run_peer_compare
+
+        return run_peer_compare(args, _workload(args), options)
     if args.compare:
         from services.bench.compare import run_compare
 
@@ -205,10 +256,11 @@ async def _bench(args: argparse.Namespace, options) -> int:
     from services.bench.run import BenchTarget, build_requests, run_benchmark
 
     workload = _workload(args)
-    requests = await build_requests(args.server, workload, options.security)
+    server = args.server or ("localhost:8000" if args.backend == "openai" else "localhost:50051")
+    requests = await build_requests(server, workload, options.security, args.backend)
     token = internal_token(args.internal_token_file, os.environ)
     scheduler_security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-    target = BenchTarget(args.server, args.scheduler, options, scheduler_security)
+    target = BenchTarget(server, args.scheduler, options, scheduler_security)
     result = await run_benchmark(target, requests, seed=args.seed)
     print(result_table(result), flush=True)
     if args.json_path:

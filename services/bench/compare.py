@@ -2,7 +2,9 @@
 
     2 stages sync (1 thread per worker)  ─┐
     2 stages async (1 thread per worker)  ├─ warm-up, 1 request alone (TPOT), the workload
-    1 stage (2 threads)                  ─┘
+    1 stage (2 threads)                   │
+    1 stage x 2 tp ranks async            │  (1 thread per worker; the rows with tp ranks
+    2 stages x 2 tp ranks async          ─┘   also report the all-reduce's share of a step)
     transformers static batching (2 threads), the same prompts
 
 Writes `compare.json`, each mode's Chrome trace and a PNG of its stages' busy/idle time
@@ -34,6 +36,8 @@ MODES = (
     Mode("sync-2stage", "2 stages sync", stages=2, scheduling="sync", threads=1),
     Mode("async-2stage", "2 stages async", stages=2, scheduling="async", threads=1),
     Mode("async-1stage", "1 stage async", stages=1, scheduling="async", threads=2),
+    Mode("tp2-1stage", "1 stage x 2 tp async", 1, "async", threads=1, tensor_parallel_size=2),
+    Mode("tp2-2stage", "2 stages x 2 tp async", 2, "async", threads=1, tensor_parallel_size=2),
 )
 HF_KEY = "transformers"
 
@@ -73,9 +77,8 @@ async def _bench_mode(
     alone = await run_benchmark(BenchTarget(stack.router, None, quiet), single)
     meter = CpuMeter([stack.proc.pid, os.getpid()])
     meter.start()
-    result = await run_benchmark(
-        BenchTarget(stack.router, stack.scheduler, options), requests, seed=seed
-    )
+    server = stack.http if options.backend == "openai" else stack.router
+    result = await run_benchmark(BenchTarget(server, stack.scheduler, options), requests, seed=seed)
     result["cpu"] = meter.stop()
     result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
     return result
@@ -88,8 +91,9 @@ def _run_mode(
     options: DriverOptions,
     results_dir: Path,
     requests: list[BenchRequest] | None,
+    extra_args: list[str] | None = None,
 ):
-    stack = start_stack(model_dir, mode, results_dir)
+    stack = start_stack(model_dir, mode, results_dir, extra_args=extra_args)
     try:
         if requests is None:
             requests = workload.build(asyncio.run(token_pool(stack.router)))
@@ -104,9 +108,23 @@ def _run_mode(
             title=f"{mode.label}: bubble {_bubbles(result)}",
         )
         result["trace"], result["png"] = str(stack.trace_path), str(png) if png else None
+        if mode.tensor_parallel_size > 1:
+            result["collective_fraction"] = collective_fractions(stack.trace_path)
     else:
         logger.warning("%s wrote no trace (see %s)", mode.label, stack.log_path)
     return result, requests
+
+
+def collective_fractions(trace_path: Path) -> list[float]:
+    """Per stage: time in tensor-parallel collectives / compute time, from the trace's steps."""
+    busy: dict[int, float] = {}
+    collective: dict[int, float] = {}
+    for event in json.loads(trace_path.read_text())["traceEvents"]:
+        if event.get("ph") == "X":
+            tid = event["tid"]
+            busy[tid] = busy.get(tid, 0.0) + event["dur"] / 1000.0
+            collective[tid] = collective.get(tid, 0.0) + event["args"].get("collective_ms", 0.0)
+    return [collective[tid] / busy[tid] if busy[tid] else 0.0 for tid in sorted(busy)]
 
 
 def _bubbles(result: dict) -> str:
@@ -161,6 +179,7 @@ def comparison_table(results: dict[str, dict], ratio_rows: list[dict]) -> str:
         "TPOT ms",
         "p99 ITL ms",
         "bubble",
+        "all-reduce",
         "1-req TPOT ms",
         "others' cores",
     ]
@@ -175,6 +194,7 @@ def comparison_table(results: dict[str, dict], ratio_rows: list[dict]) -> str:
                 f"{res['mean_tpot_ms']:.1f}",
                 f"{res['p99_itl_ms']:.1f}" if "p99_itl_ms" in res else "-",
                 _bubbles(res) if "bubble_fraction" in res else "-",
+                "/".join(f"{f:.0%}" for f in res.get("collective_fraction", [])) or "-",
                 f"{res['single_request_tpot_ms']:.1f}" if "single_request_tpot_ms" in res else "-",
                 res.get("cpu", {}).get("other_cores", "-"),
             ]

@@ -48,7 +48,9 @@ def _process_ticks(pids: set[int]) -> dict[int, int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        # utime + stime, and cutime + cstime: the children it reaped (a bench client that
+        # ran and exited inside the window) are ours too
+        ticks[pid] = sum(int(f) for f in fields[11:15])
     return ticks
 
 

@@ -1,7 +1,8 @@
-"""Sends a workload to a router over conveyor.v1.Generation and times every streamed token.
+"""Sends a workload to a router over conveyor.v1.Generation (or, with backend "openai", its
+OpenAI-compatible HTTP API: services/bench/openai_driver.py) and times every streamed token.
 
 Requests start at Poisson times (or all at once), at most `max_concurrency` in flight, each
-greedy with `max_tokens = output_len`. One gRPC channel carries every stream.
+greedy with `max_tokens = output_len`. One gRPC channel (one HTTP client) carries every stream.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import grpc
 
 from services.bench.datasets import WORDS, BenchRequest
 from services.bench.metrics import RequestOutput
+from services.common.errors import ConfigError
 from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+BACKENDS = ("grpc", "openai")
 
 
 @dataclass(slots=True)
@@ -38,14 +41,24 @@ class DriverOptions:
     progress: bool = True
     security: ClientSecurity = field(default_factory=ClientSecurity)
     """TLS to the router and the API key every request presents."""
+    backend: str = "grpc"
+    """"grpc": conveyor.v1.Generation; "openai": the HTTP API's /v1/completions."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
 
 
 async def token_pool(
-    address: str, text: str = WORDS, security: ClientSecurity | None = None
+    address: str, text: str = WORDS, security: ClientSecurity | None = None, backend: str = "grpc"
 ) -> list[int]:
     """The distinct ids the served tokenizer gives `text`: valid prompt ids for any model."""
     from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 
+    if backend == "openai":
+        from services.bench.openai_driver import openai_token_pool
+
+        return await openai_token_pool(address, text, security)
     security = security or ClientSecurity()
     async with security.channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -87,21 +100,18 @@ async def run_requests(
 ) -> tuple[list[RequestOutput], float]:
     """Sends every request (request i after gaps_s[0..i-1]); returns the outputs, in request
     order, and the wall time from the first send to the last response."""
-    from services.common.proto.conveyor.v1 import generation_pb2_grpc
-
     limit = asyncio.Semaphore(options.max_concurrency or len(requests) or 1)
     bar = _progress_bar(len(requests), options.progress)
 
     async def limited(request: BenchRequest) -> RequestOutput:
         async with limit:
-            out = await _one(stub, request, options)
+            out = await send(request)
         if not out.success:
             logger.warning("request failed: %s", out.error)
         bar.update(1)
         return out
 
-    async with options.security.channel(address, options=_CHANNEL_OPTIONS) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with _sender(address, options) as send:
         start = time.perf_counter()
         tasks = []
         send_at = itertools.accumulate([0.0, *gaps_s[:-1]])
@@ -118,6 +128,22 @@ async def run_requests(
             bar.close()
         duration = time.perf_counter() - start
     return list(outputs), duration
+
+
+@contextlib.asynccontextmanager
+async def _sender(address: str, options: DriverOptions):
+    """A function sending one request to the router over the options' backend."""
+    if options.backend == "openai":
+        from services.bench.openai_driver import openai_sender
+
+        async with openai_sender(address, options) as send:
+            yield send
+        return
+    from services.common.proto.conveyor.v1 import generation_pb2_grpc
+
+    async with options.security.channel(address, options=_CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        yield lambda request: _one(stub, request, options)
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -66,10 +66,13 @@ class BenchTarget:
 
 
 async def build_requests(
-    server: str, workload: Workload, security: ClientSecurity | None = None
+    server: str,
+    workload: Workload,
+    security: ClientSecurity | None = None,
+    backend: str = "grpc",
 ) -> list[BenchRequest]:
     """The workload's requests, with prompt ids the served tokenizer produces."""
-    return workload.build(await token_pool(server, security=security))
+    return workload.build(await token_pool(server, security=security, backend=backend))
 
 
 async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed: int = 0) -> dict:

@@ -30,6 +30,8 @@ class Mode:
     stages: int
     scheduling: str
     threads: int
+    tensor_parallel_size: int = 1
+    """Ranks per stage; above 1 the stack may have more workers than cores (--oversubscribe)."""
 
 
 @dataclass
@@ -42,6 +44,8 @@ class RunningStack:
     proc: subprocess.Popen
     trace_path: Path
     log_path: Path
+    http: str = ""
+    """HOST:PORT of the router's OpenAI-compatible HTTP API."""
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -68,7 +72,7 @@ def start_stack(
     until its router is SERVING."""
     from services.launcher import wait_serving
 
-    port, scheduler_port = free_port(), free_port()
+    port, scheduler_port, http_port = free_port(), free_port(), free_port()
     trace = (results_dir / f"trace-{mode.key}.json").resolve()
     log_path = results_dir / f"stack-{mode.key}.log"
     argv = [
@@ -90,18 +94,28 @@ def start_stack(
         str(port),
         "--scheduler-port",
         str(scheduler_port),
+        "--http-port",
+        str(http_port),
         "--kv-cache-memory",
         kv_cache_memory,
         "--timeline",
         str(trace),
         *(extra_args or []),
     ]
+    if mode.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(mode.tensor_parallel_size), "--oversubscribe"]
     logger.info("starting %s (log: %s)", mode.label, log_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     stack = RunningStack(
-        mode, f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", proc, trace, log_path
+        mode,
+        f"127.0.0.1:{port}",
+        f"127.0.0.1:{scheduler_port}",
+        proc,
+        trace,
+        log_path,
+        http=f"127.0.0.1:{http_port}",
     )
     try:
         wait_serving(stack.router, startup_timeout_s, proc)

@@ -5,7 +5,8 @@ appends `_total` to counters and `_bucket` / `_sum` / `_count` to histograms. Wh
 
     router     time_to_first_token_seconds, inter_token_latency_seconds,
                e2e_request_latency_seconds, prompt_tokens, generation_tokens,
-               request_success{finished_reason}                    (what the client sees)
+               request_success{finished_reason},
+               http_requests{endpoint, status}                     (what the client sees)
     scheduler  request_queue_time_seconds, num_requests_running / _waiting,
                num_preemptions, kv_cache_usage_perc, prefix_cache_queries / _hits,
                redis_round_trip_seconds, scheduler_steps           (queue, KV, Redis)
@@ -157,6 +158,12 @@ class RouterMetrics:
             registry=registry,
         )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.http_requests = Counter(
+            "conveyor:http_requests",
+            "Requests of the OpenAI-compatible HTTP API, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=registry,
+        )
 
 
 class SchedulerMetrics:
@@ -192,6 +199,9 @@ class SchedulerSnapshot:
     num_queried_tokens: int
     num_hit_tokens: int
     num_poisoned: int = 0
+    is_paused: bool = False
+    weight_version: int = 0
+    num_weight_updates: int = 0
 
 
 class SchedulerCollector(Collector):
@@ -240,6 +250,21 @@ class SchedulerCollector(Collector):
             "conveyor:poison_requests",
             "Requests failed because a pipeline stage failed on them alone.",
             snap.num_poisoned,
+        )
+        yield _gauge(
+            "conveyor:engine_paused",
+            "1 while paused (Pause): steps stop, requests queue; health stays SERVING.",
+            float(snap.is_paused),
+        )
+        yield _gauge(
+            "conveyor:weight_version",
+            "Version of the weights the stages serve.",
+            snap.weight_version,
+        )
+        yield _counter(
+            "conveyor:weight_updates",
+            "Weight updates committed (UpdateWeights).",
+            snap.num_weight_updates,
         )
 
 

@@ -28,7 +28,7 @@ from services.common.auth import (
     OpenAccess,
     bearer_of,
 )
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, PermissionDenied
 
 if TYPE_CHECKING:  # grpc is imported where it is used: `conveyor --help` stays fast
     import grpc
@@ -187,6 +187,40 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
         if values:
             return values[0].decode("utf-8", "replace")
     return None
+
+
+def require_admin(context: grpc.aio.ServicerContext, authenticator: Authenticator) -> None:
+    """Admin calls (Pause, UpdateWeights, ...): there is no admin role apart from the internal
+    credentials, which the interceptor has checked already; a service that asks for none
+    takes admin calls from this machine only (`conveyor up` on localhost).
+
+    Raises:
+        PermissionDenied: an open service called from another machine.
+    """
+    if not authenticator.is_open or is_loopback_peer(context.peer()):
+        return
+    raise PermissionDenied(
+        "admin calls on a service without an internal token are accepted from this machine "
+        "only: give every service the internal token (CONVEYOR_INTERNAL_TOKEN or "
+        "--internal-token-file) and send it (docs/security.md)"
+    )
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """Whether a grpc peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") is
+    this machine."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack port
+    return (mapped or address).is_loopback
 
 
 # -- clients -------------------------------------------------------------------------------

@@ -109,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=default_of(RouterConfig, "http_port"),
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /version) on this port, with the "
+        "same TLS and API keys (default: off)",
+    )
     for flag, name, text in LIMIT_FLAGS:
         default = default_of(RouterConfig, name)
         parser.add_argument(
@@ -135,6 +143,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         internal_token_file=args.internal_token_file,
         internal_token=internal_token(args.internal_token_file, os.environ),
         health_port=args.health_port,
+        http_port=args.http_port,
         **{name: getattr(args, name) for _, name, _ in LIMIT_FLAGS},
     )
 

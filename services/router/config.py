@@ -10,6 +10,7 @@ from services.common import limits
 from services.common.errors import ConfigError
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API under `conveyor up`
 
 
 @dataclass(slots=True)
@@ -88,6 +89,9 @@ class RouterConfig:
     (read by the CLI); None: none sent."""
     health_port: int | None = None
     """A plaintext port serving grpc.health.v1 only (`--health-port`); None: none."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API (`--http-port`), served by this process on
+    the same bind address, with the same TLS certificate and API keys; None: no HTTP API."""
 
     def __post_init__(self) -> None:
         if not self.scheduler_address or ":" not in self.scheduler_address:
@@ -96,7 +100,11 @@ class RouterConfig:
             raise ConfigError(f"--model={self.model_dir} is not a directory")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port={self.port} is out of range: must be in [1, 65535]")
-        for name, value in (("metrics-port", self.metrics_port), ("health-port", self.health_port)):
+        for name, value in (
+            ("metrics-port", self.metrics_port),
+            ("health-port", self.health_port),
+            ("http-port", self.http_port),
+        ):
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"--{name}={value} is out of range: must be in [1, 65535]")
         from services.common.security import check_tls_files, read_secret
@@ -105,6 +113,11 @@ class RouterConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError(
                 "--tls-client-ca needs TLS on the port: give --tls-cert and --tls-key"
+            )
+        if self.http_port is not None and self.tls_client_ca and not self.api_key_file:
+            raise ConfigError(
+                "--http-port with --tls-client-ca needs --api-key-file: the HTTP API "
+                "authenticates with API keys (it cannot read a client certificate's identity)"
             )
         if self.internal_token is None and self.internal_token_file:
             self.internal_token = read_secret(self.internal_token_file, "--internal-token-file")

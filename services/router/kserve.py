@@ -70,6 +70,30 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[_tensor("text_output", "BYTES")],
         )
 
+    async def ModelConfig(self, request, context):
+        """Triton's configuration of a decoupled LLM model (the tensors of ModelMetadata):
+        perf_analyzer and genai-perf read it before they stream."""
+        self._check_model(request.name)
+        string, boolean = pb.DataType.TYPE_STRING, pb.DataType.TYPE_BOOL
+        inputs = [
+            pb.ModelInput(name="text_input", data_type=string, dims=[1]),
+            pb.ModelInput(name="stream", data_type=boolean, dims=[1], optional=True),
+            pb.ModelInput(name="sampling_parameters", data_type=string, dims=[1], optional=True),
+            pb.ModelInput(
+                name="exclude_input_in_output", data_type=boolean, dims=[1], optional=True
+            ),
+        ]
+        config = pb.ModelConfig(
+            name=self.core.limits.name,
+            platform="conveyor",
+            backend="conveyor",
+            max_batch_size=0,  # one prompt per request: the scheduler batches
+            input=inputs,
+            output=[pb.ModelOutput(name="text_output", data_type=string, dims=[1])],
+            model_transaction_policy=pb.ModelTransactionPolicy(decoupled=True),
+        )
+        return pb.ModelConfigResponse(config=config)
+
     async def ModelInfer(self, request, context):
         """The whole text at once; the prompt is prepended unless exclude_input_in_output."""
         self._check_model(request.model_name)

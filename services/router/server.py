@@ -105,6 +105,7 @@ async def serve(config: RouterConfig) -> None:
     security = server_security(config)
     core = build_core(config)
     close_observers = install_observers(core, config)
+    http = http_server(core, config, security) if config.http_port is not None else None
     server = GrpcServer(
         "router",
         config.host,
@@ -130,13 +131,35 @@ async def serve(config: RouterConfig) -> None:
         core.limits.max_model_len,
         config.scheduler_address,
     )
+    if http is not None:
+        await http.start()
     watcher = asyncio.create_task(watch_scheduler(core, server, config.health_interval_s))
     await server.wait_for_stop()
     logger.info("router stopping: draining streams")
     watcher.cancel()
-    await server.stop(grace_s=5)
+    await asyncio.gather(server.stop(grace_s=5), *([http.stop()] if http else []))
     await core.scheduler.close()
     close_observers()
+
+
+def http_server(core: RouterCore, config: RouterConfig, security: ServerSecurity):
+    """The OpenAI-compatible API on --http-port, over the same core (services/router/http/),
+    its port taken (ConfigError when it cannot be) but not yet serving."""
+    from services.router.http.app import create_app
+    from services.router.http.server import HttpServer
+
+    app = create_app(core, security.authenticator, config.max_message_bytes)
+    http = HttpServer(
+        app,
+        config.host,
+        config.http_port,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+        tls_client_ca=config.tls_client_ca,
+        max_connections=config.max_concurrent_rpcs,
+    )
+    http.bind()
+    return http
 
 
 def install_observers(core: RouterCore, config: RouterConfig):

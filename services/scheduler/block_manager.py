@@ -94,6 +94,9 @@ class BlockManager:
         self._seqs: dict[str, _Seq] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.cache_epoch = 0
+        """Salts every chain hash: a new epoch (new weights) makes every block cached before
+        it unfindable, while requests still holding those blocks keep them."""
 
     # -- lookups ---------------------------------------------------------------------------
     @property
@@ -114,7 +117,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return prefix
         size = self.block_size
-        parent = _root_hash(extra_key)
+        parent = _root_hash(extra_key, self.cache_epoch)
         for i in range((len(token_ids) - 1) // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             parent = hash((parent, tokens))
@@ -172,7 +175,7 @@ class BlockManager:
         if not self.can_allocate(request_id, num_slots, prefix):
             needed = self.num_blocks_needed(request_id, num_slots, prefix)
             raise self._out_of_blocks(request_id, needed)
-        seq = self._seqs[request_id] = _Seq([], [], 0, _root_hash(extra_key))
+        seq = self._seqs[request_id] = _Seq([], [], 0, _root_hash(extra_key, self.cache_epoch))
         new_ids = []
         if prefix is not None:
             self._take_prefix(seq, prefix)
@@ -216,6 +219,11 @@ class BlockManager:
             if block.block_hash is None and parent not in self._cached:
                 block.block_hash, block.token_ids = parent, tokens
                 self._cached[parent] = block.block_id
+
+    def invalidate_prefix_cache(self) -> None:
+        """No block cached so far is found again (the weights that computed them changed);
+        they are evicted as free blocks are needed, like any other."""
+        self.cache_epoch += 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after a pipeline restart lost the KV)."""
@@ -277,5 +285,5 @@ class BlockManager:
         return block_id
 
 
-def _root_hash(extra_key: str | None) -> int:
-    return hash(("conveyor-kv", extra_key))
+def _root_hash(extra_key: str | None, epoch: int = 0) -> int:
+    return hash(("conveyor-kv", extra_key, epoch))

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers",
         required=True,
-        help="stage worker addresses in stage order, e.g. w0:50061,w1:50061",
+        help="stage worker addresses in stage order, e.g. w0:50061,w1:50061; with "
+        "tensor parallelism every rank, stage-major (stage 0 rank 0, stage 0 rank 1, ...)",
     )
     parser.add_argument(
         "--redis-url",

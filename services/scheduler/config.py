@@ -120,7 +120,8 @@ class SchedulerConfig:
 
     # -- the service ----------------------------------------------------------------------
     workers: list[str] = field(default_factory=list)
-    """Stage worker addresses HOST:PORT in stage order (`--workers`)."""
+    """Stage worker addresses HOST:PORT in stage order (`--workers`); with T tensor-parallel
+    ranks per stage, stages x ranks of them, stage-major."""
     redis_url: str | None = None
     """Redis holding request state (`--redis-url`); None: a private redis-server whose
     state does not outlive this process."""

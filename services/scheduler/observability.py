@@ -227,6 +227,9 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
         num_queried_tokens=bm.num_queried_tokens,
         num_hit_tokens=bm.num_hit_tokens,
         num_poisoned=core.num_poisoned,
+        is_paused=service.pause_mode is not None,
+        weight_version=service.weight_version,
+        num_weight_updates=service.num_weight_updates,
     )
 
 

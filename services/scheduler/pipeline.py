@@ -1,11 +1,14 @@
 """`Pipeline`: the scheduler's side of the stage workers — connect, describe, stream plans.
 
-One `Run` stream per stage per session. A plan is serialized once and the same bytes are
-written to every stage, by one writer task per stage: the scheduling loop only queues them
-(a gRPC write costs ~0.1 ms of CPU awaited in turn, so eight stages written one after the
-other held the loop ~1 ms per plan; concurrent writers cost less and never hold it). The
-queues stay short: at most the steps in flight. The last stage's reports carry the sampled tokens; any stage may
-report an error, and a stream that breaks means a worker is gone: the session is over.
+One `Run` stream per worker per session: with T tensor-parallel ranks per stage, `--workers`
+lists stages x ranks (stage-major) and every rank gets every plan (docs/tensor-parallel.md
+says why the scheduler streams to all ranks rather than through a stage's rank 0). A plan is
+serialized once and the same bytes are written to every worker, by one writer task per
+worker: the scheduling loop only queues them (a gRPC write costs ~0.1 ms of CPU awaited in
+turn, so eight stages written one after the other held the loop ~1 ms per plan; concurrent
+writers cost less and never hold it). The queues stay short: at most the steps in flight.
+The last stage's rank 0 reports the sampled tokens; any worker may report an error, and a
+stream that breaks means a worker is gone: the session (the whole pipeline) is over.
 """
 
 from __future__ import annotations
@@ -82,10 +85,22 @@ class Pipeline:
         self._outboxes: list[asyncio.Queue[bytes]] = []
         self._writers: list[asyncio.Task] = []
         self.epoch = 0
+        self.tp_size = 1
+        """Tensor-parallel ranks per stage, as the workers report them (Describe)."""
 
     @property
     def is_open(self) -> bool:
         return bool(self._calls)
+
+    @property
+    def stubs(self) -> list[worker_pb2_grpc.StageWorkerStub]:
+        """One stub per stage, stage order (for calls beside the Run streams)."""
+        return self._stubs
+
+    @property
+    def metadata(self):
+        """The credentials every call to a stage presents."""
+        return self._metadata
 
     async def describe(self, timeout_s: float = 2.0) -> PipelineInfo:
         """Asks every stage; raises PipelineUnavailable naming the stages not ready."""
@@ -110,20 +125,29 @@ class Pipeline:
         return self._check(list(replies))
 
     def _check(self, replies: list[worker_pb2.DescribeResponse]) -> PipelineInfo:
-        num_stages = len(self.addresses)
-        stages = sorted(r.stage for r in replies)
-        if stages != list(range(num_stages)) or any(r.num_stages != num_stages for r in replies):
+        tp_sizes = {r.tensor_parallel_size or 1 for r in replies}
+        if len(tp_sizes) != 1:
             raise PipelineUnavailable(
-                f"--workers lists {num_stages} addresses but the workers report stages "
-                f"{[r.stage for r in replies]} of {[r.num_stages for r in replies]}: list one "
-                "worker per stage, in stage order"
+                f"workers disagree on tensor_parallel_size: "
+                f"{[r.tensor_parallel_size or 1 for r in replies]}"
+            )
+        tp_size = tp_sizes.pop()
+        num_stages = len(self.addresses) // tp_size
+        if len(self.addresses) % tp_size or any(r.num_stages != num_stages for r in replies):
+            raise PipelineUnavailable(
+                f"--workers lists {len(self.addresses)} addresses but the workers report "
+                f"tensor_parallel_size={tp_size} and stages {[r.num_stages for r in replies]}: "
+                "list stages x ranks workers, stage-major (stage 0 rank 0, stage 0 rank 1, ...)"
             )
         for index, reply in enumerate(replies):
-            if reply.stage != index:
+            expected = divmod(index, tp_size)
+            if (reply.stage, reply.tp_rank) != expected:
                 raise PipelineUnavailable(
-                    f"worker {self.addresses[index]} is stage {reply.stage}, expected {index}: "
-                    "list --workers in stage order"
+                    f"worker {self.addresses[index]} is stage {reply.stage} tp rank "
+                    f"{reply.tp_rank}, expected stage {expected[0]} tp rank {expected[1]}: list "
+                    "--workers stage-major (stage 0 rank 0, stage 0 rank 1, ...)"
                 )
+        self.tp_size = tp_size
         if len({r.block_size for r in replies}) != 1:
             raise PipelineUnavailable(
                 f"stages disagree on block size: {[r.block_size for r in replies]}"
@@ -161,36 +185,38 @@ class Pipeline:
         metadata = self.security.with_metadata((("conveyor-epoch", str(self.epoch)),))
         self.reports = asyncio.Queue()
         self._calls = [run(metadata=metadata) for run in self._run]
-        last = len(self._calls) - 1
+        reporter = len(self._calls) - self.tp_size  # the last stage's tp rank 0
         self._readers = [
-            asyncio.create_task(self._read(stage, call, stage == last))
-            for stage, call in enumerate(self._calls)
+            asyncio.create_task(self._read(index, call, index == reporter))
+            for index, call in enumerate(self._calls)
         ]
         self._outboxes = [asyncio.Queue() for _ in self._calls]
         self._writers = [
-            asyncio.create_task(self._write(stage, call, outbox))
-            for stage, (call, outbox) in enumerate(zip(self._calls, self._outboxes, strict=True))
+            asyncio.create_task(self._write(index, call, outbox))
+            for index, (call, outbox) in enumerate(zip(self._calls, self._outboxes, strict=True))
         ]
 
-    async def _read(self, stage: int, call, is_last: bool) -> None:
+    def _name(self, index: int) -> str:
+        stage, rank = divmod(index, self.tp_size)
+        where = f"stage {stage}" if self.tp_size == 1 else f"stage {stage} tp rank {rank}"
+        return f"{where} ({self.addresses[index]})"
+
+    async def _read(self, index: int, call, reports_tokens: bool) -> None:
+        stage = index // self.tp_size
         try:
             async for report in call:
                 if report.error:
                     self.reports.put_nowait(StageFailure(report.error, report.step_id))
-                elif is_last:
+                elif reports_tokens:
                     self.reports.put_nowait(StageReport(stage, report))
-            self.reports.put_nowait(
-                StageFailure(f"stage {stage} ({self.addresses[stage]}) ended its stream")
-            )
+            self.reports.put_nowait(StageFailure(f"{self._name(index)} ended its stream"))
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as exc:
-            self.reports.put_nowait(
-                StageFailure(f"stage {stage} ({self.addresses[stage]}) is gone: {exc.code().name}")
-            )
+            self.reports.put_nowait(StageFailure(f"{self._name(index)} is gone: {exc.code().name}"))
 
-    async def _write(self, stage: int, call, outbox: asyncio.Queue[bytes]) -> None:
-        """Sends `stage` its plans in order; a failed write ends the session."""
+    async def _write(self, index: int, call, outbox: asyncio.Queue[bytes]) -> None:
+        """Sends worker `index` its plans in order; a failed write ends the session."""
         try:
             while True:
                 await call.write(await outbox.get())
@@ -198,13 +224,11 @@ class Pipeline:
             raise
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self.reports.put_nowait(
-                StageFailure(
-                    f"could not send a plan to stage {stage} ({self.addresses[stage]}): {exc}"
-                )
+                StageFailure(f"could not send a plan to {self._name(index)}: {exc}")
             )
 
     async def send(self, plan_bytes: bytes) -> None:
-        """Queues one serialized StepPlan for every stage (its writer sends them in order; a
+        """Queues one serialized StepPlan for every worker (its writer sends them in order; a
         write that fails puts a StageFailure on `reports`)."""
         for outbox in self._outboxes:
             outbox.put_nowait(plan_bytes)
@@ -216,11 +240,19 @@ class Pipeline:
             call.cancel()
         self._readers, self._writers, self._outboxes, self._calls = [], [], [], []
 
+    @property
+    def num_stages(self) -> int:
+        return len(self.addresses) // self.tp_size
+
     async def timelines(self, include_steps: bool = False, reset: bool = False):
-        """Every stage's Timeline (stage order); raises grpc errors for a stage that is gone."""
+        """Every stage's Timeline (stage order; a stage's tp rank 0 speaks for it, its peers
+        run in lockstep); raises grpc errors for a stage that is gone."""
         request = worker_pb2.GetTimelineRequest(include_steps=include_steps, reset=reset)
         return await asyncio.gather(
-            *[s.GetTimeline(request, timeout=10, metadata=self._metadata) for s in self._stubs]
+            *[
+                s.GetTimeline(request, timeout=10, metadata=self._metadata)
+                for s in self._stubs[:: self.tp_size]
+            ]
         )
 
     async def shutdown(self) -> None:

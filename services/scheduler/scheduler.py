@@ -28,6 +28,7 @@ else is served.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -51,6 +52,17 @@ logger = logging.getLogger(__name__)
 
 
 _WAITING = (RequestStatus.WAITING.value, RequestStatus.PREEMPTED.value)
+
+
+class PauseMode(str, enum.Enum):
+    """How a paused scheduler treats running requests (queued ones always stay queued)."""
+
+    WAIT = "wait"
+    """Admit nothing new; running requests run to their end."""
+    KEEP = "keep"
+    """Plan nothing: running requests stay where they are, their KV kept."""
+    ABORT = "abort"
+    """Running requests are aborted (by the service); then as KEEP."""
 
 
 @dataclass(slots=True)
@@ -89,6 +101,8 @@ class Scheduler:
         """The step the first suspect first ran alone in."""
         self.num_poisoned = 0
         """Requests failed because a stage failed on them alone."""
+        self.pause_mode: PauseMode | None = None
+        """Set while paused: WAIT plans running requests only, KEEP and ABORT nothing."""
 
     @classmethod
     def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:
@@ -170,7 +184,7 @@ class Scheduler:
         step one of them may run at, so that step is planned now — while step s is still in
         the stages — rather than after s reports. With one micro-batch (few requests) this
         keeps the scheduler's round trip off the critical path. Returns whether it jumped."""
-        if not self.config.is_async:
+        if not self.config.is_async or self.is_frozen:
             return False
         ready = [
             r.next_step_id
@@ -183,6 +197,11 @@ class Scheduler:
             return False
         self._next_step_id = min(ready)
         return True
+
+    @property
+    def is_frozen(self) -> bool:
+        """Paused so that nothing is planned (KEEP, ABORT)."""
+        return self.pause_mode is PauseMode.KEEP or self.pause_mode is PauseMode.ABORT
 
     @property
     def isolated_id(self) -> str | None:
@@ -209,6 +228,8 @@ class Scheduler:
         self._next_step_id += 1
         plan = StepPlan(step_id=step_id, finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        if self.is_frozen:  # paused: the plan only tells the workers what to forget
+            return plan
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         is_async = self.config.is_async
         max_pending = 1 if is_async else 0
@@ -254,7 +275,7 @@ class Scheduler:
             num_new = self._chunk(num_known - request.num_computed_tokens, budget.num_tokens)
             if num_new:
                 self._schedule_cached(plan, request, num_new, num_known, budget, scheduled)
-        if self.num_preemptions == num_preempted:
+        if self.num_preemptions == num_preempted and self.pause_mode is None:
             self._schedule_waiting(plan, budget, only)
         if only is not None and self._isolated_since is None and plan.num_requests:
             self._isolated_since = step_id
@@ -376,24 +397,34 @@ class Scheduler:
                 (r for r in self.running.values() if r.request_id not in scheduled),
                 key=lambda r: (r.priority, r.arrival_time),
             )
-            self._preempt(victim, plan)
+            self._preempt(victim, plan.finished_request_ids)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, finished_ids: list[str]) -> None:
         """Free the request's blocks and put it back at the front of the queue; it will be
-        recomputed from prompt + outputs so far. Workers drop it with this plan."""
+        recomputed from prompt + outputs so far. Workers drop it with the plan whose
+        `finished_request_ids` is `finished_ids`."""
         logger.debug("preempting %s", request.request_id)
         self.block_manager.free(request.request_id)
         request.transition(RequestStatus.PREEMPTED)
         self.outputs.record_state(request)
-        self._forget_on_workers(request, plan.finished_request_ids)
+        self._forget_on_workers(request, finished_ids)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         del self.running[request.request_id]
         self.policy.requeue(request)
+
+    def recompute_running(self) -> int:
+        """Preempts every running request, to be recomputed from its tokens so far (after a
+        weight update, when its KV came from the old weights); call with nothing in flight.
+        Returns how many."""
+        requests = list(self.running.values())
+        for request in reversed(requests):  # the oldest ends up in front
+            self._preempt(request, self._finished_ids)
+        return len(requests)
 
     def requeue_running(self) -> None:
         """The pipeline was lost (a stage died): every running request goes back to the front

@@ -9,23 +9,42 @@ import time
 
 import grpc
 
+from services.common.auth import Authenticator, OpenAccess
+from services.common.errors import InvalidRequest
 from services.common.pb import sampling_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.security import require_admin
 from services.common.serving import GrpcServer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.ownership import request_key
 from services.scheduler.pipeline import Pipeline
+from services.scheduler.scheduler import PauseMode
 from services.scheduler.service import SchedulerService
 from services.scheduler.session import RouterSession, delta_to_pb
+from services.scheduler.weights import WeightControl
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
+PAUSE_MODES = {
+    scheduler_pb2.PAUSE_MODE_UNSPECIFIED: PauseMode.WAIT,
+    scheduler_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
+    scheduler_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
+    scheduler_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
+}
+PAUSE_MODES_TO_PB = {None: scheduler_pb2.PAUSE_MODE_UNSPECIFIED} | {
+    mode: code for code, mode in PAUSE_MODES.items() if code
+}
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, service: SchedulerService):
+    def __init__(self, service: SchedulerService, authenticator: Authenticator | None = None):
         self.service = service
+        self.authenticator = authenticator or OpenAccess()
+        """Who gets in (the interceptor checks it); admin calls also ask `require_admin`."""
+        self.weights = WeightControl(service)
 
     async def Submit(self, request, context):
         sampling = sampling_from_pb(request.sampling)
@@ -74,17 +93,70 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(self, request, context):
         return await stats_to_pb(self.service, reset_timelines=request.reset_timelines)
 
+    # -- admin: pause, weights (docs/training.md) ------------------------------------------
+    async def Pause(self, request, context):
+        require_admin(context, self.authenticator)
+        mode = PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidRequest(f"mode={request.mode} is not a PauseMode (wait, keep, abort)")
+        num_aborted = await self.service.pause(mode)
+        return self._pause_state(num_aborted)
+
+    async def Unpause(self, request, context):
+        require_admin(context, self.authenticator)
+        self.service.unpause()
+        return self._pause_state()
+
+    def _pause_state(self, num_aborted: int = 0) -> scheduler_pb2.PauseState:
+        service, core = self.service, self.service.scheduler
+        return scheduler_pb2.PauseState(
+            paused=service.pause_mode is not None,
+            mode=PAUSE_MODES_TO_PB[service.pause_mode],
+            num_running=len(core.running) if core else 0,
+            num_waiting=core.num_waiting if core else 0,
+            num_aborted=num_aborted,
+            weight_version=service.weight_version,
+        )
+
+    async def UpdateWeights(self, request, context):
+        require_admin(context, self.authenticator)
+        progress = scheduler_pb2.UpdateWeightsProgress
+        updates = self.weights.update(
+            request.path, list(request.layers), request.recompute_kept, request.weight_version
+        )
+        async for update in updates:
+            yield progress(
+                phase=progress.PHASE_DONE if update.is_done else progress.PHASE_RECEIVING,
+                weight_version=update.weight_version,
+                num_tensors=update.num_tensors,
+                pause_s=update.pause_s,
+                stage_s=update.stage_s,
+                commit_s=update.commit_s,
+                total_s=update.total_s,
+            )
+
+    async def InitWeightTransfer(self, request, context):
+        require_admin(context, self.authenticator)
+        world_size = await self.weights.init_transfer(
+            request.master_addr, request.master_port, request.timeout_s
+        )
+        return scheduler_pb2.InitWeightTransferResponse(world_size=world_size)
+
 
 async def stats_to_pb(
     service: SchedulerService, reset_timelines: bool = False
 ) -> scheduler_pb2.SchedulerStats:
     msg = scheduler_pb2.SchedulerStats(
-        num_stages=len(service.pipeline.addresses),
+        num_stages=service.pipeline.num_stages,
         serving=service.serving,
         scheduling=service.config.scheduling.value,
         num_steps=service.counters.num_steps,
         not_serving_reason=service.not_serving_reason or "",
         cpu_seconds=time.process_time(),
+        paused=service.pause_mode is not None,
+        pause_mode=PAUSE_MODES_TO_PB[service.pause_mode],
+        weight_version=service.weight_version,
+        num_weight_updates=service.num_weight_updates,
     )
     core = service.scheduler
     if core is None:
@@ -150,7 +222,8 @@ async def serve(config: SchedulerConfig) -> int:
         security=security,
         health_port=config.health_port,
     )
-    server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(service))
+    servicer = SchedulerServicer(service, security.authenticator)
+    server.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
     await server.start()
     service.on_serving_change(lambda serving: asyncio.ensure_future(server.set_serving(serving)))
     logger.info("scheduler on port %d waiting for %d stages", config.port, len(config.workers))

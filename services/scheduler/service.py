@@ -48,7 +48,7 @@ from services.scheduler.pipeline import (
     StageReport,
 )
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler import PauseMode, Scheduler
 from services.scheduler.state import StateStore, TokenDelta
 from services.scheduler.validation import validate_submission
 
@@ -119,6 +119,13 @@ class SchedulerService:
         self._on_serving_change = None
         self.observer: SchedulerHooks | None = None
         """The event trace, spans and metrics, or None: no hook runs."""
+        self.pause_mode: PauseMode | None = None
+        """Set while paused (Pause); health stays SERVING: Submit still queues."""
+        self.weight_version = 0
+        """The version of the weights every stage serves (UpdateWeights)."""
+        self.num_weight_updates = 0
+        self._quiet = asyncio.Event()
+        """Set by the loop while paused once nothing is in flight (WAIT: nothing runs)."""
 
     @property
     def inflight(self) -> int:
@@ -262,8 +269,9 @@ class SchedulerService:
             return False
         return self._abort(request)
 
-    def _abort(self, request: Request) -> bool:
-        """Aborts `request` (whoever owns it: the caller checked) and tells its streams."""
+    def _abort(self, request: Request, reason: str | None = None) -> bool:
+        """Aborts `request` (whoever owns it: the caller checked) and tells its streams,
+        with `reason` in the last delta's `error` when the scheduler itself aborts it."""
         request_id = request.request_id
         try:
             self.scheduler.abort_request(request_id)
@@ -273,7 +281,8 @@ class SchedulerService:
             self._publish(self.scheduler.outputs.flush())  # persists the abort now
         except StateStoreError as exc:  # kept buffered; written with the next step
             logger.warning("abort of %s not persisted yet: %s", request_id, exc)
-        self._publish([TokenDelta(request_id, [], request.num_output_tokens, "abort")])
+        delta = TokenDelta(request_id, [], request.num_output_tokens, "abort", error=reason)
+        self._publish([delta])
         self._wake.set()
         return True
 
@@ -344,6 +353,7 @@ class SchedulerService:
                 if self._store_failing_since is not None:
                     self._flush_buffered()
                 await self._dispatch()
+                self._note_quiet()
                 await self._wait_and_process()
                 self._store_ok()
             except PipelineBroken as exc:
@@ -387,7 +397,8 @@ class SchedulerService:
             waker = asyncio.ensure_future(self._wake.wait())
             # Nothing in flight yet work left (a request waiting out the pipeline rule):
             # plan again soon rather than wait for a report that will not come.
-            timeout = 0.05 if self._inflight == 0 and self.scheduler.has_unfinished else None
+            is_idle = self._inflight == 0 and self.pause_mode is None
+            timeout = 0.05 if is_idle and self.scheduler.has_unfinished else None
             done, _ = await asyncio.wait(
                 {getter, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
@@ -436,10 +447,67 @@ class SchedulerService:
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
+            delta.weight_version = self.weight_version
             for queue in self._subscribers.get(delta.request_id, ()):
                 queue.put_nowait(delta)
             if delta.finish_reason is not None:
                 self._subscribers.pop(delta.request_id, None)
+
+    # ------------------------------------------------------------------ pause
+    async def pause(self, mode: PauseMode) -> int:
+        """Pauses as `mode` says; returns once it holds (nothing in flight; WAIT: nothing
+        running), with the number of requests aborted (ABORT)."""
+        if self.scheduler is None:
+            raise PipelineUnavailable("the scheduler is still starting: retry in a few seconds")
+        self.pause_mode = self.scheduler.pause_mode = mode
+        num_aborted = 0
+        if mode is PauseMode.ABORT:
+            reason = "aborted by an operator's Pause(mode=abort); submit it again"
+            for request in list(self.scheduler.running.values()):
+                num_aborted += self._abort(request, reason)
+        logger.info(
+            "pausing (%s): %d running, %d aborted",
+            mode.value,
+            len(self.scheduler.running),
+            num_aborted,
+        )
+        self._quiet.clear()
+        self._wake.set()
+        await self._quiet.wait()
+        return num_aborted
+
+    def restore_pause(self, mode: PauseMode | None) -> None:
+        """Back to the pause state `mode` (None: unpaused) without waiting for it to hold."""
+        if mode is None:
+            self.unpause()
+        else:
+            self.pause_mode = self.scheduler.pause_mode = mode
+            self._wake.set()
+
+    def unpause(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.pause_mode = None
+        if self.pause_mode is not None:
+            logger.info("unpaused: %d queued requests", self.scheduler.num_waiting)
+        self.pause_mode = None
+        self._wake.set()
+
+    def weights_changed(self, version: int, recompute_running: bool) -> None:
+        """Every stage serves weights `version` now (call while paused, nothing in flight):
+        the prefix cache forgets blocks computed before; running requests are recomputed
+        when asked."""
+        self.weight_version = version
+        self.num_weight_updates += 1
+        self.scheduler.block_manager.invalidate_prefix_cache()
+        if recompute_running:
+            num = self.scheduler.recompute_running()
+            logger.info("recomputing %d running requests under weights version %d", num, version)
+
+    def _note_quiet(self) -> None:
+        mode = self.pause_mode
+        is_drained = mode is not PauseMode.WAIT or not self.scheduler.running
+        if mode is not None and self._inflight == 0 and is_drained:
+            self._quiet.set()
 
     # ------------------------------------------------------------------ failures
     async def _open_session(self) -> None:

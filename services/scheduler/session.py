@@ -46,6 +46,7 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
         token_ids=delta.token_ids,
         finish_reason=FINISH_TO_PB[delta.finish_reason],
         num_cached_tokens=delta.num_cached_tokens,
+        weight_version=delta.weight_version,
     )
     if delta.error:
         msg.error = delta.error

@@ -27,6 +27,8 @@ class TokenDelta:
     """Why the request failed (finish reason `error`)."""
     num_cached_tokens: int = 0
     """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
+    weight_version: int = 0
+    """The weights serving the request when the delta was sent (UpdateWeights)."""
 
 
 @dataclass(slots=True)

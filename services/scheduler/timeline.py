@@ -38,6 +38,7 @@ def chrome_trace_events(timelines) -> list[dict]:
                         "requests": step.num_requests,
                         "tokens": step.num_tokens,
                         "wait_ms": step.wait_ns / 1e6,
+                        "collective_ms": step.collective_ns / 1e6,
                     },
                 }
             )

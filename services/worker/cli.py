@@ -9,7 +9,7 @@ import os
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.config import default_of
     from services.common.security import add_internal_token_argument, add_tls_arguments
-    from services.worker.config import DEVICES, WorkerConfig
+    from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
 
     def default(name: str):
         return default_of(WorkerConfig, name)
@@ -25,9 +25,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"stages in the pipeline (default: {default('num_stages')})",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default("tensor_parallel_size"),
+        help="tensor-parallel ranks per stage, one worker process each "
+        f"(default: {default('tensor_parallel_size')})",
+    )
+    parser.add_argument(
+        "--tp-rank",
+        type=int,
+        default=default("tp_rank"),
+        help="this worker's tensor-parallel rank inside its stage, 0-based "
+        f"(default: {default('tp_rank')})",
+    )
+    parser.add_argument(
         "--dist-addr",
         default=default("dist_addr"),
-        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0 "
+        help="torch.distributed rendezvous HOST:PORT, hosted by stage 0 (tp rank 0) "
         f"(default: {default('dist_addr')})",
     )
     parser.add_argument(
@@ -45,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=default("dtype")
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="weight-only quantization of the decoder layers' linears, per output channel, "
+        "at load (default: the checkpoint's own; FP8 checkpoints stay fp8)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -169,11 +190,14 @@ def build_config(args: argparse.Namespace):
         model_dir=args.model,
         stage_index=args.stage,
         num_stages=args.stages,
+        tp_rank=args.tp_rank,
+        tensor_parallel_size=args.tensor_parallel_size,
         layer_split=[int(x) for x in args.layer_split.split(",")] if args.layer_split else None,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.threads,

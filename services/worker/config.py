@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads
 from services.common.config import parse_addr
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, ModelLoadError
 from services.common.units import parse_bytes
 from services.worker.model.stages import MAX_STAGES
+
+MAX_TENSOR_PARALLEL = 64  # the same bound as model/tensor_parallel.py (no torch import here)
 
 # What the flags may say. Light on purpose (no torch): the CLI builds its parser from here.
 DEFAULT_PORT = 50061
@@ -17,6 +19,8 @@ DEVICES = ("cpu", "cuda", "sim")
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+QUANTIZATIONS = ("int8", "fp8")
+"""`--quantization`: weight-only, per output channel (services/worker/model/quant.py)."""
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 """`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
@@ -31,6 +35,11 @@ class WorkerConfig:
     """Which stage this worker runs, 0 .. num_stages - 1."""
     num_stages: int = 1
     """`--pipeline-parallel-size` / `--stages`, 1 .. 8."""
+    tp_rank: int = 0
+    """`--tp-rank`: this worker's tensor-parallel rank inside its stage, 0 .. T - 1."""
+    tensor_parallel_size: int = 1
+    """`--tensor-parallel-size`: ranks per stage (T), 1 .. 64; each holds 1/T of the stage's
+    weights and KV heads (model/tensor_parallel.py)."""
     layer_split: list[int] | None = None
     """Layers per stage, e.g. [10, 10, 10]; None splits evenly (see model/stages.py)."""
     block_size: int = 16
@@ -50,6 +59,10 @@ class WorkerConfig:
     forward pass replaced by a timing model; docs/simulation.md)."""
     num_threads: int | None = None
     """`--threads`: torch intra-op threads on CPU; None: this machine's cores / stages."""
+    quantization: str | None = None
+    """`--quantization`: "int8" or "fp8" weights for the decoder layers' linears, quantized
+    per output channel at load; None: the checkpoint's own (FP8 checkpoints stay FP8),
+    else unquantized. Embeddings, norms and the logits stay in `dtype`."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
     "auto" takes oneDNN wherever it is supported."""
@@ -107,6 +120,31 @@ class WorkerConfig:
                 f"stage_index={self.stage_index} is out of range: must be in "
                 f"[0, {self.num_stages - 1}]"
             )
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is out of range: must be "
+                f"in [1, {MAX_TENSOR_PARALLEL}]"
+            )
+        if not 0 <= self.tp_rank < self.tensor_parallel_size:
+            raise ConfigError(
+                f"tp_rank={self.tp_rank} is out of range: must be in "
+                f"[0, {self.tensor_parallel_size - 1}] (tensor_parallel_size="
+                f"{self.tensor_parallel_size})"
+            )
+        if self.tensor_parallel_size > 1 and self.device == "sim":
+            raise ConfigError(
+                "tensor_parallel_size > 1 runs real ranks; a simulated stage models them with "
+                "--sim-tensor-parallel-size instead"
+            )
+        if self.tensor_parallel_size > 1:
+            from services.worker.model.config import ModelConfig
+            from services.worker.model.tensor_parallel import check_tensor_parallel
+
+            try:
+                model = ModelConfig.from_dir(self.model_dir)
+            except ModelLoadError as exc:
+                raise ConfigError(str(exc)) from exc
+            check_tensor_parallel(model, self.tensor_parallel_size, source=self.model_dir)
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(
                 f"block_size={self.block_size} is not supported: use one of {BLOCK_SIZES}"
@@ -144,6 +182,11 @@ class WorkerConfig:
             check_endpoint(self.otlp_endpoint)
         if self.device == "sim":
             self._check_sim()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r} is unknown: choose one of "
+                f"{list(QUANTIZATIONS)}"
+            )
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(
                 f"linear_backend={self.linear_backend!r} is unknown: choose one of "
@@ -172,8 +215,29 @@ class WorkerConfig:
 
     @property
     def threads(self) -> int:
-        """torch intra-op threads: --threads, else this machine's cores / stages."""
-        return self.num_threads or default_threads(self.num_stages)
+        """torch intra-op threads: --threads, else this machine's cores / (stages x ranks)."""
+        return self.num_threads or default_threads(self.num_stages * self.tensor_parallel_size)
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes in the pipeline: stages x tensor-parallel ranks."""
+        return self.num_stages * self.tensor_parallel_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the pipeline's group: stage-major, then tp rank."""
+        return self.stage_index * self.tensor_parallel_size + self.tp_rank
+
+    @property
+    def rank_device(self) -> str:
+        """Where this rank computes: on CUDA with T > 1, GPU `tp_rank` when this process sees
+        the stage's T GPUs (one host or container holding them), else the one it sees (a
+        container given one GPU each); otherwise `device`."""
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            import torch
+
+            return f"cuda:{self.tp_rank % max(torch.cuda.device_count(), 1)}"
+        return self.device
 
     @property
     def effective_attention_backend(self) -> str:

@@ -45,6 +45,8 @@ class StepRecord:
     start_ns: int
     end_ns: int
     wait_ns: int
+    collective_ns: int = 0
+    """Of the compute, the time in tensor-parallel collectives (model/tensor_parallel.py)."""
 
 
 @dataclass(slots=True)
@@ -128,6 +130,14 @@ class StageEngine:
     def num_stages(self) -> int:
         return self.transport.num_stages
 
+    @property
+    def name(self) -> str:
+        """ "stage S", or "stage S tp rank R" in a tensor-parallel stage (error messages)."""
+        tp_size = getattr(self.transport, "tp_size", 1)
+        if tp_size == 1:
+            return f"stage {self.stage}"
+        return f"stage {self.stage} tp rank {self.transport.tp_rank}"
+
     def start(self, on_outcome: Callable[[StepOutcome], None], epoch: int = 0) -> None:
         """Starts a session: joins the pipeline group (rendezvous keys of `epoch`) on a
         fresh compute thread. A previous session is stopped first."""
@@ -139,6 +149,11 @@ class StageEngine:
         )
         self._session = session
         session.thread.start()
+
+    def between_steps(self, action: Callable[[], None]) -> None:
+        """Runs `action` while no step computes (e.g. swapping weights in)."""
+        with self._runner_lock:
+            action()
 
     def submit(self, plan: StepPlan, tokens_from_last_stage: bool) -> None:
         self._session.plans.put((plan, tokens_from_last_stage))
@@ -168,10 +183,14 @@ class StageEngine:
             session.link = self.transport.connect(session.epoch)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler
             logger.exception("stage %d could not join the pipeline", self.stage)
-            session.broken = f"stage {self.stage} could not join the pipeline: {exc}"
+            session.broken = f"{self.name} could not join the pipeline: {exc}"
         with self._runner_lock:
             if not session.is_stale:
                 self.runner.requests.clear()  # a new session starts from no request
+                tp = getattr(self.runner.model, "tp", None)
+                if tp is not None and session.link is not None:
+                    # the stage's collectives run on this session's group from now on
+                    tp.group = getattr(session.link, "tp_group", None)
         while True:
             item = session.plans.get()
             if item is None or session.is_stale:
@@ -186,7 +205,7 @@ class StageEngine:
                 if session.is_stale:
                     return
                 logger.exception("stage %d failed at step %d", self.stage, plan.step_id)
-                session.broken = f"stage {self.stage} failed at step {plan.step_id}: {exc}"
+                session.broken = f"{self.name} failed at step {plan.step_id}: {exc}"
                 outcome = StepOutcome(plan.step_id, None, error=session.broken)
             if outcome is None:  # stale
                 return
@@ -215,7 +234,10 @@ class StageEngine:
             if session.is_stale:
                 return None
             t_start = time.time_ns()
+            tp = getattr(self.runner.model, "tp", None)
+            comm_before = tp.comm_ns if tp is not None else 0
             out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            collective_ns = tp.comm_ns - comm_before if tp is not None else 0
             if self.transport.is_first and takes_tokens:
                 ids = self._sampling_request_ids(plan)
                 if ids:
@@ -235,6 +257,7 @@ class StageEngine:
             t_start,
             t_end,
             t_start - t_wait,
+            collective_ns,
         )
         if plan.num_requests:
             self.timeline.add(record)

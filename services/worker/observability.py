@@ -94,6 +94,33 @@ def bubble_of(timeline: Callable[[], Timeline | None]) -> Callable[[], float | N
     return read
 
 
+class QuantizationCollector:
+    """`conveyor:stage_quantized_linears{stage,quantization}` and
+    `conveyor:stage_quantized_weight_bytes{stage,quantization}`: what the stage's weights
+    are stored as (absent before the model is loaded and when nothing is quantized)."""
+
+    def __init__(self, stage: int, servicer) -> None:
+        self._stage, self._servicer = str(stage), servicer
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        engine = self._servicer.engine
+        summary = engine.runner.model.quantization if engine is not None else None
+        if summary is None:
+            return
+        labels = [self._stage, summary.method]
+        for name, doc, value in (
+            ("linears", "Linear layers of the stage with quantized weights.", summary.num_linears),
+            ("weight_bytes", "Bytes of the quantized weights and scales.", summary.weight_bytes),
+        ):
+            family = GaugeMetricFamily(
+                f"conveyor:stage_quantized_{name}", doc, labels=["stage", "quantization"]
+            )
+            family.add_metric(labels, value)
+            yield family
+
+
 def install(servicer, stage: int, metrics_port: int | None, otlp_endpoint: str | None):
     """Sets `servicer.observer` as the flags ask; returns a function that stops it all."""
     from services.common.telemetry import make_tracing
@@ -109,6 +136,7 @@ def install(servicer, stage: int, metrics_port: int | None, otlp_endpoint: str |
         metrics = WorkerMetrics(registry, stage)
         timeline = lambda: servicer.engine.timeline if servicer.engine else None  # noqa: E731
         registry.register(BubbleCollector(stage, bubble_of(timeline)))
+        registry.register(QuantizationCollector(stage, servicer))
         server = serve_metrics(registry, metrics_port)
     if metrics is not None or tracing is not None:
         servicer.observer = StepObserver(stage, metrics, tracing)

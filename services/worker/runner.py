@@ -23,7 +23,8 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
 from services.worker.model.llama import StageModel
-from services.worker.model.loader import load_stage_model, resolve_dtype
+from services.worker.model.loader import resolve_dtype
+from services.worker.model.quant import load_quantized_stage
 from services.worker.model.stages import logits_layer_equivalents, stage_spec
 from services.worker.sampler import Sampler, SamplingBatch
 
@@ -105,24 +106,28 @@ class StageRunner:
             config.layer_split,
             last_stage_extra=logits_cost,
         )
-        model = load_stage_model(
+        model = load_quantized_stage(
             config.model_dir,
             stage,
             config.dtype,
-            config.effective_attention_backend,
+            config.quantization,
+            attention_backend=config.effective_attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
-        ).to(config.device)
+            tp_rank=config.tp_rank,
+            tensor_parallel_size=config.tensor_parallel_size,
+        ).to(config.rank_device)
         if config.uses_onednn:
             model.use_onednn()
         spec = KVCacheSpec(
             stage.num_layers,
-            model_config.num_key_value_heads,
+            model.tp.shard.num_kv_heads,  # this rank's share of the KV cache
             model_config.head_dim,
             config.block_size,
             resolve_dtype(config.dtype),
         )
-        kv_cache = KVCache.from_budget(spec, config.kv_cache_memory, max_model_len, config.device)
-        return cls(model, kv_cache, Sampler(config.seed, config.device), config.device)
+        device = config.rank_device
+        kv_cache = KVCache.from_budget(spec, config.kv_cache_memory, max_model_len, device)
+        return cls(model, kv_cache, Sampler(config.seed, device), device)
 
     # ---------------------------------------------------------------- plan deltas
     def _apply_plan(self, plan: StepPlan, input_token_ids: dict[str, int] | None) -> ScheduledBatch:
@@ -250,16 +255,23 @@ class StageRunner:
                 states.append(state)
         if not states:
             return StepResult(step_id, [], [])
-        logits = self.model.compute_logits(hidden[rows])  # [N, V] float32
-        sampling_batch = SamplingBatch.from_requests(
-            [s.sampling for s in states],
-            [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.token_ids[s.num_prompt_tokens :] for s in states],
-            device=self.device,
-        )
-        output = self.sampler(logits, sampling_batch)
-        token_ids = output.token_ids.tolist()
+        logits = self.model.compute_logits(hidden[rows])  # [N, V] float32; None: tp rank > 0
+        logprobs = None
+        if logits is not None:
+            sampling_batch = SamplingBatch.from_requests(
+                [s.sampling for s in states],
+                [s.token_ids[: s.num_prompt_tokens] for s in states],
+                [s.token_ids[s.num_prompt_tokens :] for s in states],
+                device=self.device,
+            )
+            output = self.sampler(logits, sampling_batch)
+            sampled, logprobs = output.token_ids.to(torch.int64), output.logprobs
+        else:
+            sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
+        # Tensor parallel: rank 0 alone samples (one generator, whatever the seeds); every
+        # rank needs the tokens (its request states, async forwarding to stage 0).
+        token_ids = self.model.tp.broadcast(sampled).tolist()
         for state, token_id in zip(states, token_ids, strict=True):
             state.token_ids.append(token_id)
         self.last_logits = logits
-        return StepResult(step_id, [s.request_id for s in states], token_ids, output.logprobs)
+        return StepResult(step_id, [s.request_id for s in states], token_ids, logprobs)

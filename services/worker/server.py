@@ -7,13 +7,16 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+from services.common.auth import Authenticator, OpenAccess
 from services.common.errors import PipelineUnavailable
 from services.common.pb import logprobs_to_pb, plan_from_pb
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.security import require_admin
 from services.common.serving import GrpcServer
 from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.runner import StageRunner
+from services.worker.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +62,16 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
     is loaded, and until then Describe says not ready and Run answers UNAVAILABLE.
     """
 
-    def __init__(self, stage: int, num_stages: int, model_name: str):
+    def __init__(
+        self, stage: int, num_stages: int, model_name: str, tp_rank: int = 0, tp_size: int = 1
+    ):
         self.stage, self.num_stages = stage, num_stages
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model_name = model_name
         self.engine: StageEngine | None = None
+        self.weights: WeightUpdates | None = None
+        self.authenticator: Authenticator = OpenAccess()
+        """Who gets in (the interceptor checks it); weight calls also ask `require_admin`."""
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self._session_lock = asyncio.Lock()
@@ -71,6 +80,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
 
     def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
         self.engine = engine
+        self.weights = WeightUpdates(engine)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -81,6 +91,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 num_stages=self.num_stages,
                 ready=False,
                 model_name=self.model_name,
+                tp_rank=self.tp_rank,
+                tensor_parallel_size=self.tp_size,
             )
         runner = self.engine.runner
         spec = runner.model.stage
@@ -97,6 +109,10 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             vocab_size=runner.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
             device=runner.device_kind,
+            quantization=runner.model.quantization.method if runner.model.quantization else "",
+            tp_rank=self.tp_rank,
+            tensor_parallel_size=self.tp_size,
+            weight_version=self.weights.version,
         )
 
     async def GetTimeline(self, request, context):
@@ -119,6 +135,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     start_ns=r.start_ns,
                     end_ns=r.end_ns,
                     wait_ns=r.wait_ns,
+                    collective_ns=r.collective_ns,
                 )
                 for r in timeline.records
             )
@@ -134,13 +151,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         async with self._session_lock:
             loop = asyncio.get_running_loop()
             reports: asyncio.Queue = asyncio.Queue()
-            is_last = self.engine.transport.is_last
+            # The last stage's tp rank 0 reports tokens; its peers hold the same ones.
+            reports_tokens = self.engine.transport.is_last and self.tp_rank == 0
             observer = self.observer
 
             def on_outcome(outcome: StepOutcome) -> None:
                 if observer is not None:
                     observer.on_outcome(outcome)
-                if is_last or outcome.error:
+                if reports_tokens or outcome.error:
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
             metadata = dict(context.invocation_metadata() or ())
@@ -158,6 +176,40 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if observer is not None:
                     observer.reset()
                 logger.info("stage %d: session ended", self.stage)
+
+    # -- weight updates (the scheduler's UpdateWeights and InitWeightTransfer) ---------------
+    def _weights(self, context) -> WeightUpdates:
+        require_admin(context, self.authenticator)
+        if self.weights is None:
+            raise PipelineUnavailable(f"stage {self.stage} is still loading its model")
+        return self.weights
+
+    async def InitWeightTransfer(self, request, context):
+        self._weights(context).init_transfer(
+            request.master_addr,
+            request.master_port,
+            request.rank,
+            request.world_size,
+            request.timeout_s or 300.0,
+        )
+        return worker_pb2.StageTransferResponse()
+
+    async def StageWeights(self, request, context):
+        weights = self._weights(context)
+        reply = worker_pb2.StageWeightsReply
+        if request.path:
+            stage = weights.plan_files(request.path, list(request.layers), request.weight_version)
+        else:
+            stage = weights.plan_received(request.weight_version)
+        yield reply(phase=reply.PHASE_ACCEPTED)
+        num_tensors = await asyncio.to_thread(stage)
+        yield reply(phase=reply.PHASE_STAGED, num_tensors=num_tensors)
+
+    async def CommitWeights(self, request, context):
+        version = await asyncio.to_thread(
+            self._weights(context).commit, request.weight_version, request.discard
+        )
+        return worker_pb2.CommitWeightsResponse(weight_version=version)
 
     async def _read_plans(self, request_iterator, reports: asyncio.Queue) -> None:
         """Feeds plans to the engine; puts None on `reports` when the stream ends."""
@@ -179,19 +231,27 @@ async def serve(config: WorkerConfig) -> None:
     from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
+    security = internal_server_security(
+        config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
+    )
     server = GrpcServer(
         f"stage {config.stage_index}",
         config.host,
         config.port,
         [_SERVICE],
         options=[("grpc.max_receive_message_length", 64 << 20)],
-        security=internal_server_security(
-            config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
-        ),
+        security=security,
         health_port=config.health_port,
     )
     model_name = Path(config.model_dir).name
-    servicer = StageWorkerServicer(config.stage_index, config.num_stages, model_name)
+    servicer = StageWorkerServicer(
+        config.stage_index,
+        config.num_stages,
+        model_name,
+        config.tp_rank,
+        config.tensor_parallel_size,
+    )
+    servicer.authenticator = security.authenticator
     server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
     close_observers = install_observers(
         servicer, config.stage_index, config.metrics_port, config.otlp_endpoint
@@ -203,14 +263,18 @@ async def serve(config: WorkerConfig) -> None:
 
         runner, transport = await asyncio.to_thread(build_sim_stage, config)
     else:
+        if config.rank_device.startswith("cuda:"):  # NCCL binds the current device
+            torch.cuda.set_device(config.rank_device)
         runner = await asyncio.to_thread(StageRunner.from_config, config)
         transport = StageTransport(
             config.stage_index,
             config.num_stages,
             config.dist_addr,
-            torch.device(config.device),
+            torch.device(config.rank_device),
             bind_host=config.host,
             secret=config.internal_token,
+            tp_rank=config.tp_rank,
+            tp_size=config.tensor_parallel_size,
         )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings

@@ -1,7 +1,10 @@
 """Stage-to-stage transport over `torch.distributed` point-to-point (gloo on CPU, NCCL on CUDA).
 
-One process group per pipeline session, rank = stage. Messages carry no header: every stage
-receives the same step plan, so a receiver knows each message's shape before it arrives.
+One process group per pipeline session over every rank of every stage (rank = stage x T +
+tp rank), and one more per stage for its tensor-parallel collectives (docs/tensor-parallel.md).
+Messages carry no header: every rank receives the same step plan, so a receiver knows each
+message's shape before it arrives. With T ranks per stage, rank r of a stage talks to rank r
+of the next (each holds the whole, all-reduced hidden states), so no process funnels them:
 
     stage 0 ──hidden [T, H]──▶ stage 1 ──hidden──▶ ... ──▶ stage P-1
        ▲                                                      │
@@ -171,15 +174,19 @@ class StageTransport:
         op_timeout_s: float = 120.0,
         bind_host: str | None = None,
         secret: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         """
         Args:
+            tp_rank, tp_size: this worker's tensor-parallel rank and the ranks per stage.
             bind_host: the address gloo's sockets listen on (the worker's --host when it is
                 a specific address); None: the one this machine's hostname resolves to.
             secret: the internal token; None: plain keys and values (docs/security.md).
         """
         self.stage = stage
         self.num_stages = num_stages
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = device
         self._dist_addr = dist_addr
         self._rendezvous_timeout = datetime.timedelta(seconds=rendezvous_timeout_s)
@@ -197,6 +204,14 @@ class StageTransport:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages * self.tp_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.stage * self.tp_size + self.tp_rank
+
     def connect(self, epoch: int = 0) -> PipelineLink:
         """Forms this session's group with every stage; blocks until all have joined.
 
@@ -205,16 +220,16 @@ class StageTransport:
         stage 0 for the life of its process; other stages reconnect each session, in case
         stage 0 was the one restarted).
         """
-        if self.num_stages == 1:
+        if self.num_ranks == 1:
             return PipelineLink(self.stage, self.num_stages, self.device, None)
         host, port = parse_addr(self._dist_addr, "--dist-addr")
-        if self.is_first:
+        if self.global_rank == 0:
             if self._master_store is None:
                 self._listener = listen_socket(host, port)
                 self._master_store = dist.TCPStore(
                     host,
                     port,
-                    self.num_stages,
+                    self.num_ranks,
                     is_master=True,
                     timeout=self._rendezvous_timeout,
                     wait_for_workers=False,
@@ -223,28 +238,38 @@ class StageTransport:
             store = self._master_store
         else:
             store = dist.TCPStore(
-                host, port, self.num_stages, is_master=False, timeout=self._rendezvous_timeout
+                host, port, self.num_ranks, is_master=False, timeout=self._rendezvous_timeout
             )
         prefix = dist.PrefixStore(session_prefix(epoch, self._secret), store)
         if self._secret is not None:
             prefix = SignedStore(prefix, self._secret.encode())
         logger.info(
-            "stage %d/%d joining the pipeline at %s (epoch %d)",
+            "stage %d/%d tp rank %d/%d joining the pipeline at %s (epoch %d)",
             self.stage,
             self.num_stages,
+            self.tp_rank,
+            self.tp_size,
             self._dist_addr,
             epoch,
         )
+        group = self._group(prefix, self.global_rank, self.num_ranks)
+        tp_group = None
+        if self.tp_size > 1:  # the stage's own group: its all-reduces never wait on others
+            tp_store = dist.PrefixStore(f"tp/{self.stage}", prefix)
+            tp_group = self._group(tp_store, self.tp_rank, self.tp_size)
+        return PipelineLink(
+            self.stage, self.num_stages, self.device, group, self.tp_rank, self.tp_size, tp_group
+        )
+
+    def _group(self, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
         if self.device.type == "cuda":
-            group = dist.ProcessGroupNCCL(prefix, self.stage, self.num_stages)
-        elif self._bind_host is not None:
+            return dist.ProcessGroupNCCL(store, rank, size)
+        if self._bind_host is not None:
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._bind_host)]
             options._timeout = self._op_timeout
-            group = dist.ProcessGroupGloo(prefix, self.stage, self.num_stages, options)
-        else:
-            group = dist.ProcessGroupGloo(prefix, self.stage, self.num_stages, self._op_timeout)
-        return PipelineLink(self.stage, self.num_stages, self.device, group)
+            return dist.ProcessGroupGloo(store, rank, size, options)
+        return dist.ProcessGroupGloo(store, rank, size, self._op_timeout)
 
 
 def listen_socket_host(host: str) -> str | None:
@@ -255,36 +280,52 @@ def listen_socket_host(host: str) -> str | None:
 
 
 class PipelineLink:
-    """One session's point-to-point links: to the next stage, and last stage → stage 0
-    (a `Link`)."""
+    """One session's point-to-point links: to the same tp rank of the next stage, and last
+    stage → stage 0 (a `Link`); `tp_group` is the stage's own group (None with one rank)."""
 
-    def __init__(self, stage: int, num_stages: int, device: torch.device, group):
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        device: torch.device,
+        group,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group=None,
+    ):
         self.stage, self.num_stages, self.device = stage, num_stages, device
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._group = group
+        self.tp_group = tp_group
         self._pending: deque = deque()
+
+    def _rank_of(self, stage: int) -> int:
+        """The pipeline-group rank of this tp rank in `stage`."""
+        return stage * self.tp_size + self.tp_rank
 
     # activations
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """hidden: [T, H] to the next stage."""
-        self._send(hidden.contiguous(), self.stage + 1, _TAG_HIDDEN)
+        self._send(hidden.contiguous(), self._rank_of(self.stage + 1), _TAG_HIDDEN)
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, H] from the previous stage."""
         buf = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
-        self._group.recv([buf], self.stage - 1, _TAG_HIDDEN).wait()
+        self._group.recv([buf], self._rank_of(self.stage - 1), _TAG_HIDDEN).wait()
         return buf
 
     # sampled tokens, last stage → stage 0 (async mode)
 
     def send_tokens(self, token_ids: torch.Tensor) -> None:
         """token_ids: [N] int64, from the last stage to stage 0."""
-        self._send(token_ids.to(self.device, torch.int64).contiguous(), 0, _TAG_TOKENS)
+        tokens = token_ids.to(self.device, torch.int64).contiguous()
+        self._send(tokens, self._rank_of(0), _TAG_TOKENS)
 
     def recv_tokens(self, num_tokens: int) -> torch.Tensor:
         """[N] int64 from the last stage."""
         buf = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
-        self._group.recv([buf], self.num_stages - 1, _TAG_TOKENS).wait()
+        self._group.recv([buf], self._rank_of(self.num_stages - 1), _TAG_TOKENS).wait()
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

@@ -44,9 +44,9 @@ RESULT_KEYS = {
 @pytest.fixture
 def tiny_stack(tmp_path):
     """`conveyor up` of a tiny model, 2 stages async with --timeline; (router, scheduler,
-    trace path, process), stopped at the end."""
+    trace path, process, HTTP API), stopped at the end."""
     model = make_tiny_model(tmp_path / "tiny")
-    port, scheduler_port = free_port(), free_port()
+    port, scheduler_port, http_port = free_port(), free_port(), free_port()
     trace = tmp_path / "trace.json"
     log = (tmp_path / "up.log").open("w")
     argv = [
@@ -54,6 +54,8 @@ def tiny_stack(tmp_path):
         "-m",
         "services.cli",
         "up",
+        "--http-port",
+        str(http_port),
         "--model",
         str(model),
         "--stages",
@@ -78,7 +80,13 @@ def tiny_stack(tmp_path):
     )
     try:
         wait_serving(f"127.0.0.1:{port}", 120, proc)
-        yield f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", trace, proc
+        yield (
+            f"127.0.0.1:{port}",
+            f"127.0.0.1:{scheduler_port}",
+            trace,
+            proc,
+            f"127.0.0.1:{http_port}",
+        )
     except BaseException:
         log.flush()
         print(Path(log.name).read_text()[-5000:], file=sys.stderr)
@@ -91,7 +99,7 @@ def tiny_stack(tmp_path):
 
 
 def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, capsys):
-    router, scheduler, trace, proc = tiny_stack
+    router, scheduler, trace, proc, http = tiny_stack
     out = tmp_path / "result.json"
     code = main(
         [
@@ -119,6 +127,18 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
     assert len(result["bubble_fraction"]) == 2
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
+    # the same workload through the OpenAI-compatible API, with the openai client
+    over_http = tmp_path / "openai.json"
+    workload = ["--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--no-progress"]
+    code = main(
+        ["bench", "--backend", "openai", "--server", http, *workload, "--json", str(over_http)]
+    )
+    assert code == 0
+    result = json.loads(over_http.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 64  # counted from the usage, as over gRPC
+    assert result["mean_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
+
     # the stack writes the run's trace on stop; the bubble picture is drawn from it
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -145,6 +165,7 @@ def _start_up(model: Path, port: int, trace: Path) -> subprocess.Popen:
         "-m",
         "services.cli",
         "up",
+        "--no-http",
         "--model",
         str(model),
         "--stages",

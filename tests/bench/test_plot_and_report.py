@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.bench.compare import ratios
+from services.bench.compare import collective_fractions, ratios
 from services.bench.plot import busy_fraction, plot_trace, stage_slices, steady_window
 from services.bench.report import result_table
 from services.scheduler.timeline import chrome_trace_events
@@ -12,6 +12,7 @@ class _Step:
     def __init__(self, step_id, start_ms, end_ms):
         self.step_id, self.num_requests, self.num_tokens = step_id, 4, 4
         self.start_ns, self.end_ns, self.wait_ns = int(start_ms * 1e6), int(end_ms * 1e6), 0
+        self.collective_ns = int((end_ms - start_ms) * 1e6 * 0.25)  # a quarter in all-reduces
 
 
 class _Timeline:
@@ -38,6 +39,14 @@ def test_steady_window_and_busy_fraction_from_the_middle_of_the_run():
     assert 400 < lo < hi < 600  # the middle of a 1 s run
     assert busy_fraction(stages[0], (lo, hi)) == pytest.approx(0.8, abs=0.06)
     assert busy_fraction(stages[1], (lo, hi)) == pytest.approx(0.5, abs=0.06)
+
+
+def test_collective_fractions_per_stage_from_the_trace(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(_trace()))
+    assert collective_fractions(trace) == [pytest.approx(0.25), pytest.approx(0.25)]
 
 
 def test_plot_trace_writes_a_png(tmp_path):

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,20 +49,22 @@ REDIS_DEFAULT_PORT = 6379
 CHECK_TIMEOUT_S = 60.0
 """Every check gets this long, whatever the manifest says: the machine is shared and slow."""
 _ADDRESS = re.compile(r"(?<![\w.-])(\[::\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):(\d{1,5})\b")
-_PORT_FLAG = re.compile(r"(?<!\S)(--port=|--port\s+|-p\s+)(\d{1,5})\b")
+# --port, and --<name>-port= flags (--http-port, --health-port, ...) of a port the host declares
+_PORT_FLAG = re.compile(r"(?<!\S)(--(?:[a-z]+-)?port=|--port\s+|-p\s+)(\d{1,5})\b")
 
 
 @dataclass
 class Check:
-    """A health check as declared: a command (`exec`), or a gRPC health or TCP probe."""
+    """A health check as declared: a command (`exec`), or a gRPC health, HTTP GET or TCP
+    probe."""
 
     where: str
     kind: str
     argv: list[str] = field(default_factory=list)
     port: int | None = None
-    """Container port of a `grpc` / `tcp` probe."""
+    """Container port of a `grpc` / `http` / `tcp` probe."""
     service: str = ""
-    """gRPC health service name ("" = the server as a whole)."""
+    """gRPC health service name ("" = the server as a whole); an `http` probe's path."""
 
 
 @dataclass
@@ -275,6 +279,13 @@ class LocalStack:
         if check.kind == "grpc":
             status = grpc_health(f"127.0.0.1:{port}", check.service)
             return status == "SERVING", f"grpc health {check.service!r} on :{port}: {status}"
+        if check.kind == "http":
+            url = f"http://127.0.0.1:{port}{check.service}"
+            try:
+                with urllib.request.urlopen(url, timeout=CHECK_TIMEOUT_S) as response:
+                    return response.status == 200, f"GET {url}: {response.status}"
+            except (OSError, urllib.error.URLError) as exc:
+                return False, f"GET {url}: {exc}"
         assert check.kind == "tcp", check
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=5):

@@ -67,6 +67,7 @@ def helm_argvs(tmp_path_factory) -> list[tuple[str, list[str]]]:
     for values in (
         [],
         ["-f", str(CHART / "values-gpu-4stage.yaml")],
+        ["--set", "pipeline.tensorParallelSize=2"],
         [
             "--set",
             "metrics.enabled=true",

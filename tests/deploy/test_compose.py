@@ -65,8 +65,10 @@ def test_compose_config_rejects_a_broken_copy(tmp_path, old, new):
 def test_only_the_router_is_published(stack):
     published = {name for name, svc in stack.items() if svc.get("ports")}
     assert published == {"router"}
-    (port,) = stack["router"]["ports"]
-    assert (port["target"], port["published"]) == (50051, "50051")
+    grpc_port, http_port = stack["router"]["ports"]
+    assert (grpc_port["target"], grpc_port["published"]) == (50051, "50051")
+    assert (http_port["target"], http_port["published"]) == (8000, "8000")
+    assert "--http-port=8000" in stack["router"]["command"]
 
 
 def test_model_fetched_once_before_anything_that_reads_it(stack):

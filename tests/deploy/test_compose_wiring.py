@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,13 +186,25 @@ def test_compose_services_start_in_the_declared_order(compose_stack):
 
 
 def test_compose_router_streams_a_request(compose_stack):
-    (port,) = compose_stack.services["router"]["ports"]
-    address = compose_stack.published("router", int(port["target"]))
+    grpc_port, http_port = compose_stack.services["router"]["ports"]
+    address = compose_stack.published("router", int(grpc_port["target"]))
     replies = stream(address, "The capital of France is", max_tokens=8)
     assert len(replies) > 1  # streamed, not one reply
     assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert replies[-1].usage.completion_tokens == 8
-    assert "Paris" in "".join(r.text for r in replies)
+    text = "".join(r.text for r in replies)
+    assert "Paris" in text
+    # the same greedy answer from the OpenAI-compatible API on the other published port
+    http = compose_stack.published("router", int(http_port["target"]))
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{http}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.loads(response.read())
+    assert answer["choices"][0]["text"] == text
 
 
 def test_compose_every_healthcheck_passes(compose_stack):

@@ -30,6 +30,8 @@ EXPECTED_PAGES = {
     "performance.md",
     "security.md",
     "simulation.md",
+    "tensor-parallel.md",
+    "training.md",
 }
 
 

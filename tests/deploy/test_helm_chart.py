@@ -191,7 +191,12 @@ def test_every_container_has_probes_and_resources(rendered):
                 grpc_port = next(
                     p["containerPort"] for p in container["ports"] if p["name"] == "grpc"
                 )
-                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probes = ["startupProbe", "readinessProbe", "livenessProbe"]
+                if container["name"] == "router":  # ready as the HTTP API's /health says
+                    probes.remove("readinessProbe")
+                    ready = container["readinessProbe"]["httpGet"]
+                    assert (ready["path"], ready["port"]) == ("/health", "http"), where
+                for probe in probes:
                     assert container[probe]["grpc"]["port"] == grpc_port, (where, probe)
 
 
@@ -208,11 +213,12 @@ def test_only_the_router_is_exposed(rendered):
         if p["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
         == "router"
     )
-    # the router's gRPC port is open to everyone
-    assert any(
-        "from" not in rule and {"port": "grpc", "protocol": "TCP"} in rule["ports"]
-        for rule in router_policy["spec"]["ingress"]
-    )
+    # the router's gRPC and HTTP ports are open to everyone
+    for port in ("grpc", "http"):
+        assert any(
+            "from" not in rule and {"port": port, "protocol": "TCP"} in rule["ports"]
+            for rule in router_policy["spec"]["ingress"]
+        ), port
     internal = next(p for p in policies if p is not router_policy)
     selected = internal["spec"]["podSelector"]["matchExpressions"][0]
     assert selected["key"] == "app.kubernetes.io/component"
@@ -223,6 +229,28 @@ def test_only_the_router_is_exposed(rendered):
         if rule.get("ports") == [{"port": "metrics", "protocol": "TCP"}]:
             continue  # scrapers reach the metrics port only
         assert peers == [{"podSelector": {"matchLabels": release_pods}}]
+
+
+def test_router_serves_the_http_api_on_its_service():
+    docs = render()
+    (router,) = containers(one(docs, "Deployment", "router"))
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert f"--http-port={ports['http']}" in router["args"]
+    (http,) = [p for p in one(docs, "Service", "router")["spec"]["ports"] if p["name"] == "http"]
+    assert (http["port"], http["targetPort"], http["appProtocol"]) == (8000, "http", "http")
+    tls = render("--set", "security.tls.enabled=true", "--set", "security.tls.existingSecret=t")
+    (router,) = containers(one(tls, "Deployment", "router"))
+    assert router["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"  # same certificate
+
+
+def test_router_without_http_has_grpc_probes_only():
+    docs = render("--set", "router.httpPort=null")
+    (router,) = containers(one(docs, "Deployment", "router"))
+    assert not any(a.startswith("--http-port") for a in router["args"])
+    assert [p["name"] for p in router["ports"]] == ["grpc"]
+    assert router["readinessProbe"]["grpc"]["port"] == router["ports"][0]["containerPort"]
+    service_ports = one(docs, "Service", "router")["spec"]["ports"]
+    assert [p["name"] for p in service_ports] == ["grpc"]
 
 
 def test_redis_password_only_from_a_secret():

@@ -74,7 +74,12 @@ def test_tls_mounts_the_secret_and_probes_use_the_health_port(tmp_path, version)
         health = flags(argv)["--health-port"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["health"] == int(health), name
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probes = ["startupProbe", "readinessProbe", "livenessProbe"]
+        if name == "router":  # ready as the HTTP API's /health says, over the same TLS
+            probes.remove("readinessProbe")
+            ready = container["readinessProbe"]["httpGet"]
+            assert (ready["port"], ready["scheme"]) == ("http", "HTTPS")
+        for probe in probes:
             assert container[probe]["grpc"]["port"] == ports["health"], (name, probe)
         mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
         assert mount["mountPath"] == "/tls" and mount["readOnly"]

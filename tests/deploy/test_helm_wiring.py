@@ -109,6 +109,10 @@ def checks_of(container: dict, where: str) -> list[Check]:
         elif "grpc" in spec:
             port = container_port(container, spec["grpc"]["port"])
             checks.append(Check(label, "grpc", port=port, service=spec["grpc"].get("service", "")))
+        elif "httpGet" in spec:
+            assert spec["httpGet"].get("scheme", "HTTP") == "HTTP", f"{label}: {spec}"
+            port = container_port(container, spec["httpGet"]["port"])
+            checks.append(Check(label, "http", port=port, service=spec["httpGet"]["path"]))
         else:
             assert "tcpSocket" in spec, f"{label}: no local stand-in for {spec}"
             port = container_port(container, spec["tcpSocket"]["port"])
@@ -296,7 +300,7 @@ def test_helm_every_probe_passes(helm_stack):
             passed, said = helm_stack.stack.run_check(container, check)
             assert passed, f"{check.where}: {said}"
             checked.add(check.kind)
-    assert checked == {"exec", "grpc"}
+    assert checked == {"exec", "grpc", "http"}  # http: the router's /health
     helm_stack.stack.assert_alive([c.name for c in helm_stack.main_containers()])
 
 

@@ -23,6 +23,7 @@ class StackInfo:
     router: str
     scheduler: str
     model_dir: Path
+    http: str  # HOST:PORT of the OpenAI-compatible API
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,7 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
     missing = [name for name in ("scheduler", "router") if name not in COMMANDS]
     if missing:
         pytest.fail(f"`conveyor {' '.join(missing)}` is not registered in services/cli.py yet")
-    port, scheduler_port = free_port(), free_port()
+    port, scheduler_port, http_port = free_port(), free_port(), free_port()
     log = (tmp_path_factory.mktemp("stack") / "conveyor-up.log").open("w")
     argv = [
         sys.executable,
@@ -51,6 +52,8 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
         str(scheduler_port),
         "--kv-cache-memory",
         "256MiB",
+        "--http-port",
+        str(http_port),
     ]
     proc = subprocess.Popen(
         argv,
@@ -61,7 +64,12 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
     )
     try:
         wait_serving(f"127.0.0.1:{port}", 600, proc)
-        yield StackInfo(f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}", Path(smollm2_dir))
+        yield StackInfo(
+            f"127.0.0.1:{port}",
+            f"127.0.0.1:{scheduler_port}",
+            Path(smollm2_dir),
+            f"127.0.0.1:{http_port}",
+        )
     except BaseException:
         log.flush()
         print(Path(log.name).read_text()[-5000:], file=sys.stderr)

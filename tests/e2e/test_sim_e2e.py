@@ -45,7 +45,7 @@ def sim_stack(tmp_path_factory):
     port, scheduler_port = free_port(), free_port()
     log = (tmp_path_factory.mktemp("sim") / "conveyor-up.log").open("w")
     argv = [
-        *(sys.executable, "-m", "services.cli", "up", "--model", str(MODEL_DIR)),
+        *(sys.executable, "-m", "services.cli", "up", "--no-http", "--model", str(MODEL_DIR)),
         *("--stages", str(NUM_STAGES), "--device", "sim", "--sim-profile", "h100"),
         *("--port", str(port), "--scheduler-port", str(scheduler_port)),
     ]

@@ -103,7 +103,7 @@ class UpStack:
 
     def __init__(self, model_dir: Path, redis_proc: RedisProcess, log: Path, *scheduler_args):
         self.port, self.scheduler_port = free_port(), free_port()
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir)]
+        argv = [sys.executable, "-m", "services.cli", "up", "--no-http", "--model", str(model_dir)]
         argv += ["--stages", "2", "--threads", "1", "--kv-cache-memory", "32MiB"]
         argv += ["--port", str(self.port), "--scheduler-port", str(self.scheduler_port)]
         argv += ["--redis-url", redis_proc.url, "--max-restarts", "20"]

@@ -61,3 +61,14 @@ def hf_greedy_reference(model_dir, prompts: list[list[int]], max_new: int):
             tokens.append(out.sequences[0, len(prompt) :].tolist())
             logits.append([step[0].float() for step in out.logits])
     return tokens, logits
+
+
+@pytest.fixture(scope="session")
+def weights(smollm2_dir, smollm2_prompts, tmp_path_factory):
+    """SmolLM2 after one and two "training steps" (tests/integration/weights_utils.py)."""
+    from tests.integration.weights_utils import make_weights
+
+    torch.set_num_threads(2)
+    # A short prompt, and one over 2 KV blocks (its prefix is cached across updates).
+    prompts = [smollm2_prompts[0], smollm2_prompts[13] + smollm2_prompts[1]]
+    return make_weights(smollm2_dir, prompts, tmp_path_factory.mktemp("trained"))

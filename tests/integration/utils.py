@@ -44,19 +44,23 @@ class ProcessStack:
         scheduler_args: list[str] | None = None,
         redis_url: str | None = None,
         security: ClientSecurity | None = None,
+        tensor_parallel_size: int = 1,
     ):
         """`security`: how this harness reaches the scheduler (TLS, internal token) when the
-        worker and scheduler args turn credentials on."""
+        worker and scheduler args turn credentials on. `tensor_parallel_size`: ranks per
+        stage; workers are then indexed stage-major (worker i = stage i // T, rank i % T)."""
         self.model_dir, self.stages, self.scheduling = str(model_dir), stages, scheduling
+        self.tp_size = tensor_parallel_size
+        num_workers = stages * tensor_parallel_size
         self.kv_cache_memory = kv_cache_memory
         self.worker_args = ["--max-model-len", str(max_model_len), *(worker_args or [])]
         self.scheduler_args = scheduler_args or []
         self.redis = None if redis_url else RedisServer().start()
         self.redis_url = redis_url or self.redis.url
         self.dist_addr = f"127.0.0.1:{free_port()}"
-        self.worker_ports = [free_port() for _ in range(stages)]
+        self.worker_ports = [free_port() for _ in range(num_workers)]
         self.scheduler_port = free_port()
-        self.workers: list[subprocess.Popen | None] = [None] * stages
+        self.workers: list[subprocess.Popen | None] = [None] * num_workers
         self.scheduler: subprocess.Popen | None = None
         self._channel = None
         self.security = security or ClientSecurity()
@@ -67,15 +71,17 @@ class ProcessStack:
 
     def start(self, timeout_s: float = 180) -> ProcessStack:
         try:
-            for stage in range(self.stages):
-                self.start_worker(stage)
+            for index in range(len(self.workers)):
+                self.start_worker(index)
             self.start_scheduler(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def start_worker(self, stage: int) -> None:
+    def start_worker(self, index: int) -> None:
+        """Starts worker `index`: the stage's index without tensor parallelism."""
+        stage, tp_rank = divmod(index, self.tp_size)
         argv = [
             "worker",
             "--model",
@@ -87,14 +93,16 @@ class ProcessStack:
             "--dist-addr",
             self.dist_addr,
             "--port",
-            str(self.worker_ports[stage]),
+            str(self.worker_ports[index]),
             "--kv-cache-memory",
             self.kv_cache_memory,
             "--threads",
             "1",
             *self.worker_args,
         ]
-        self.workers[stage] = _spawn(argv)
+        if self.tp_size > 1:
+            argv += ["--tensor-parallel-size", str(self.tp_size), "--tp-rank", str(tp_rank)]
+        self.workers[index] = _spawn(argv)
 
     def start_scheduler(self, timeout_s: float = 180) -> None:
         workers = ",".join(f"127.0.0.1:{p}" for p in self.worker_ports)
@@ -123,9 +131,9 @@ class ProcessStack:
                 if time.monotonic() > deadline:
                     raise
 
-    def kill_worker(self, stage: int) -> None:
-        _kill(self.workers[stage])
-        self.workers[stage] = None
+    def kill_worker(self, index: int) -> None:
+        _kill(self.workers[index])
+        self.workers[index] = None
 
     def kill_scheduler(self) -> None:
         _kill(self.scheduler)

@@ -23,6 +23,7 @@ import pytest
 
 _KERNEL_MODULES = (
     "kernels._checks",
+    "kernels.fp8_matmul",
     "kernels.paged_attention",
     "kernels.reshape_and_cache",
     "kernels.rms_norm",

@@ -90,6 +90,7 @@ def start_stack(model_dir: Path, workdir: Path, num_stages: int = 2) -> Observed
         "--log-level",
         "WARNING",
         "up",
+        "--no-http",
         "--model",
         str(model_dir),
         "--stages",

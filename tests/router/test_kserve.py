@@ -17,7 +17,8 @@ from tests.router.utils import ANSWER
 _SERVICE = "GRPCInferenceService"
 
 
-def _implemented_messages() -> set[str]:
+def _implemented_messages(requests_only: bool = False) -> set[str]:
+    """Every message the implemented rpcs carry (only what they receive: requests_only)."""
     service = ours.DESCRIPTOR.services_by_name[_SERVICE]
     names = set()
 
@@ -33,7 +34,8 @@ def _implemented_messages() -> set[str]:
 
     for method in service.methods:
         add(method.input_type)
-        add(method.output_type)
+        if not requests_only:
+            add(method.output_type)
     return names
 
 
@@ -49,6 +51,7 @@ def test_kserve_proto_is_wire_compatible_with_tritonclient():
             theirs.server_streaming,
         )
     pool = triton_pb2.DESCRIPTOR.pool
+    received = _implemented_messages(requests_only=True)
     checked = 0
     for full_name in sorted(_implemented_messages()):
         mine = ours.DESCRIPTOR.pool.FindMessageTypeByName(full_name)
@@ -63,8 +66,10 @@ def test_kserve_proto_is_wire_compatible_with_tritonclient():
             if fd.message_type is not None:
                 assert fd.message_type.full_name == other.message_type.full_name
             checked += 1
-        # Fields we left out would be dropped silently; make sure none are.
-        assert set(mine.fields_by_name) == set(theirs.fields_by_name), full_name
+        # Fields we left out of a request would be dropped silently; make sure none are. A
+        # response may fill a subset (ModelConfig: a client reads the rest as unset).
+        if full_name in received:
+            assert set(mine.fields_by_name) == set(theirs.fields_by_name), full_name
     assert checked > 40
 
 
@@ -101,6 +106,26 @@ def test_kserve_health_and_metadata(fake, triton_client, tiny_model_dir):
     meta = triton_client.get_model_metadata(name)
     assert [t.name for t in meta.inputs][:2] == ["text_input", "stream"]
     assert [(t.name, t.datatype) for t in meta.outputs] == [("text_output", "BYTES")]
+
+
+def test_kserve_model_config_is_a_decoupled_llm(fake, triton_client, tiny_model_dir):
+    config = triton_client.get_model_config(tiny_model_dir.name).config
+    assert config.name == tiny_model_dir.name and config.backend == "conveyor"
+    assert config.model_transaction_policy.decoupled  # streams: many responses per request
+    inputs = {t.name: t for t in config.input}
+    assert list(inputs) == [
+        "text_input",
+        "stream",
+        "sampling_parameters",
+        "exclude_input_in_output",
+    ]
+    assert inputs["text_input"].data_type == triton_pb2.model__config__pb2.TYPE_STRING
+    assert not inputs["text_input"].optional and inputs["stream"].optional
+    assert [(t.name, list(t.dims)) for t in config.output] == [("text_output", [1])]
+    as_json = triton_client.get_model_config(tiny_model_dir.name, as_json=True)["config"]
+    assert as_json["model_transaction_policy"] == {"decoupled": True}
+    with pytest.raises(InferenceServerException, match="not-a-model"):
+        triton_client.get_model_config("not-a-model")
 
 
 def test_kserve_model_infer_returns_prompt_and_text(fake, triton_client, tiny_model_dir):

@@ -76,6 +76,7 @@ def up(tiny_dir, tmp_path_factory):
         "-m",
         "services.cli",
         "up",
+        "--no-http",
         "--model",
         str(tiny_dir),
         "--stages",

@@ -263,7 +263,7 @@ def start_stack(model_dir: Path, redis_url: str, workdir: Path) -> Stack:
     port, scheduler_port = free_port(), free_port()
     log_path = workdir / "conveyor-up.log"
     argv = [
-        *(sys.executable, "-m", "services.cli", "--log-level", "WARNING", "up"),
+        *(sys.executable, "-m", "services.cli", "--log-level", "WARNING", "up", "--no-http"),
         *("--model", str(model_dir), "--stages", "1", "--redis-url", url),
         *("--port", str(port), "--scheduler-port", str(scheduler_port)),
         *("--kv-cache-memory", "16MiB", "--threads", "1", "--cpu-affinity", "off"),

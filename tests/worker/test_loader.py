@@ -46,6 +46,10 @@ def spy_reads(monkeypatch):
             names.append(name)
             return self.inner.get_tensor(name)
 
+        def get_slice(self, name):
+            names.append(name)
+            return self.inner.get_slice(name)
+
     monkeypatch.setattr(loader, "safe_open", Spy)
     return names
 

@@ -28,6 +28,9 @@ def test_packed_linear_equals_f_linear(rows, bias):
     )
 
 
+@pytest.mark.skipif(
+    not onednn_supported("cpu", torch.bfloat16), reason="this CPU has no oneDNN bf16 path"
+)
 def test_packed_linear_bfloat16():
     weight, x = torch.randn(64, 32).bfloat16(), torch.randn(5, 32).bfloat16()
     out = PackedLinear(weight)(x)

@@ -12,7 +12,8 @@ from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
-from services.worker.model.loader import load_stage_model, resolve_dtype
+from services.worker.model.loader import resolve_dtype
+from services.worker.model.quant import load_quantized_stage
 from services.worker.model.stages import stage_spec
 from services.worker.runner import StageRunner
 
@@ -87,6 +88,7 @@ def make_runners(
     dtype: str = "float32",
     attention_backend: str = "torch",
     onednn: bool = False,
+    quantization: str | None = None,
 ) -> list[StageRunner]:
     """One StageRunner per stage, in-process; by default on the torch reference paths,
     `attention_backend="cpu", onednn=True` is what a CPU worker runs."""
@@ -94,7 +96,9 @@ def make_runners(
     runners = []
     for index in range(num_stages):
         stage = stage_spec(config.num_hidden_layers, num_stages, index, layer_split)
-        model = load_stage_model(model_dir, stage, dtype, attention_backend)
+        model = load_quantized_stage(
+            model_dir, stage, dtype, quantization, attention_backend=attention_backend
+        )
         if onednn:
             model.use_onednn()
         spec = KVCacheSpec(
@@ -277,3 +281,43 @@ def compare_greedy(
             )
             return i
     return len(ref)
+
+
+def make_fp8_checkpoint(src_dir: Path, out_dir: Path, per_channel: bool = True) -> Path:
+    """Write `src_dir`'s model as llm-compressor / vLLM store FP8: each decoder linear's
+    weight in float8_e4m3fn beside a float32 `weight_scale` ([N, 1] per channel, or a
+    scalar per tensor) and an `input_scale` Conveyor ignores; the rest as it was."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(Path(src_dir) / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            amax = tensor.abs().amax(dim=1, keepdim=True) if per_channel else tensor.abs().amax()
+            scale = (amax / 448.0).float()
+            out[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            out[name + "_scale"] = scale
+            out[name.removesuffix("weight") + "input_scale"] = torch.ones(())
+        else:
+            out[name] = tensor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, out_dir / "model.safetensors")
+    config = json.loads((Path(src_dir) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for extra in Path(src_dir).glob("tokenizer*"):
+        shutil.copy(extra, out_dir / extra.name)
+    return out_dir

@@ -60,17 +60,20 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ include "conveyor.fullname" . }}-worker
 {{- end }}
 
-{{/* DNS name of stage i's pod: include "conveyor.workerHost" (list . i) */}}
+{{/* DNS name of worker pod i (stage i / T, tp rank i % T): include "conveyor.workerHost" (list . i) */}}
 {{- define "conveyor.workerHost" -}}
 {{- $root := index . 0 -}}
 {{- $name := include "conveyor.workerName" $root -}}
 {{ $name }}-{{ index . 1 }}.{{ $name }}.{{ $root.Release.Namespace }}.svc.{{ $root.Values.clusterDomain }}
 {{- end }}
 
-{{/* Comma-separated gRPC addresses of every stage, stage 0 first (the scheduler's --workers). */}}
+{{/* Comma-separated gRPC addresses of every worker pod, stage-major: stage 0 first, and
+with tensor parallelism every rank of a stage before the next stage (the scheduler's
+--workers). */}}
 {{- define "conveyor.workerAddrs" -}}
 {{- $addrs := list -}}
-{{- range $i := until (int .Values.pipeline.stages) -}}
+{{- $tp := int (default 1 .Values.pipeline.tensorParallelSize) -}}
+{{- range $i := until (mul (int .Values.pipeline.stages) $tp | int) -}}
 {{- $addrs = append $addrs (printf "%s:%d" (include "conveyor.workerHost" (list $ $i)) (int $.Values.worker.port)) -}}
 {{- end -}}
 {{ join "," $addrs }}
@@ -219,6 +222,36 @@ startupProbe:
 readinessProbe:
   grpc:
     port: {{ $port }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+    service: liveness
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
+{{/*
+The router's probes with the HTTP API on: ready while GET /health answers 200 (the scheduler is
+SERVING), started and alive as the gRPC `liveness` service says (the same process serves both).
+include "conveyor.routerHttpProbes" (list . grpcProbePort)
+*/}}
+{{- define "conveyor.routerHttpProbes" -}}
+{{- $root := index . 0 -}}
+{{- $port := index . 1 -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+    service: liveness
+  periodSeconds: 10
+  failureThreshold: 30
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+    scheme: {{ ternary "HTTPS" "HTTP" $root.Values.security.tls.enabled }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model.config import ModelConfig, RopeScaling
+from services.worker.model.tensor_parallel import TensorParallel, single_rank
 
 
 class RMSNorm(nn.Module):
@@ -84,15 +85,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Tensor parallel: gate/up hold this rank's I/T columns, down the matching rows, and the
+    partial sums are all-reduced (model/tensor_parallel.py)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        self.tp = tp or single_rank(config)
+        hidden, inter = config.hidden_size, self.tp.shard.intermediate_size
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias and self.tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] x 2
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I/tp] x 2
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))

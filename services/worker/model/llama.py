@@ -21,6 +21,11 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 from services.worker.model.packed_linear import PackedLinear, pack_linears
 from services.worker.model.stages import StageSpec
+from services.worker.model.tensor_parallel import (
+    TensorParallel,
+    VocabParallelEmbedding,
+    single_rank,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +61,17 @@ def default_attention_backend(device: str) -> str:
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache; q/k/v fused into one projection."""
+    """GQA self-attention over the paged KV cache; q/k/v fused into one projection.
 
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn) -> None:
+    Tensor parallel: q/k/v hold this rank's heads (columns), o_proj the matching input
+    columns, and its partial sums are all-reduced (model/tensor_parallel.py)."""
+
+    def __init__(
+        self, config: ModelConfig, attention_fn: AttentionFn, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.tp = tp or single_rank(config)
+        self.num_heads, self.num_kv_heads = self.tp.shard.num_heads, self.tp.shard.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -69,7 +80,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = nn.Linear(
+            self.q_size, config.hidden_size, bias=config.o_bias and self.tp.rank == 0
+        )
 
     def forward(
         self,
@@ -84,18 +97,20 @@ class Attention(nn.Module):
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = self.attention_fn(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, attention_fn: AttentionFn) -> None:
+    def __init__(
+        self, config: ModelConfig, attention_fn: AttentionFn, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_fn)
+        self.self_attn = Attention(config, attention_fn, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = SwiGLU(config, tp)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
@@ -111,23 +126,31 @@ class StageModel(nn.Module):
         stage: StageSpec,
         attention_backend: str = "torch",
         max_positions: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config, self.stage = config, stage
+        self.tp = tp or single_rank(config)
+        """This rank's shard and the stage's group (one rank: no sharding)."""
         attention_fn = load_attention_backend(attention_backend)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size) if stage.is_first else None
-        )
+        self.embed_tokens = self._embedding() if stage.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_fn) for _ in range(stage.num_layers)
+            DecoderLayer(config, attention_fn, self.tp) for _ in range(stage.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         # [V, hidden]; on a single-stage tied model it is the embedding weight itself.
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.lm_head: PackedLinear | None = None
         """The logits matmul in oneDNN's layout, once `use_onednn()` ran (last stage only)."""
+        self.quantization = None
+        """The layers' weight quantization (model/quant.py `QuantSummary`), None: none."""
         self.requires_grad_(False)
+
+    def _embedding(self) -> nn.Module:
+        if self.tp.size == 1:
+            return nn.Embedding(self.config.vocab_size, self.config.hidden_size)
+        return VocabParallelEmbedding(self.tp, self.config.hidden_size)
 
     def use_onednn(self) -> None:
         """Run every matmul (projections, MLP, logits) through oneDNN with packed weights.
@@ -166,11 +189,16 @@ class StageModel(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return x
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only)."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only).
+
+        Tensor parallel: each rank computes its vocabulary range and rank 0 gathers the
+        whole rows; the other ranks get None (they receive rank 0's sampled tokens)."""
         if self.norm is None:
             raise ValueError(f"stage {self.stage.stage_index} is not the last stage")
         hidden_states = self.norm(hidden_states)
         if self.lm_head is not None:
-            return self.lm_head(hidden_states).float()
-        return F.linear(hidden_states, self.lm_head_weight).float()
+            logits = self.lm_head(hidden_states).float()
+        else:
+            logits = F.linear(hidden_states, self.lm_head_weight).float()
+        return self.tp.gather_last_dim(logits)  # [N, V/tp] per rank -> [N, V] on rank 0

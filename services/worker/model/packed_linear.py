@@ -28,12 +28,17 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def onednn_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """True when oneDNN packed matmuls can serve this device and dtype."""
+    """True when oneDNN packed matmuls can serve this device and dtype.
+
+    oneDNN packs bfloat16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT;
+    elsewhere (AVX2-only) `_reorder_linear_weight` raises, so bf16 stays on torch.
+    """
     return (
         torch.device(device).type == "cpu"
         and dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

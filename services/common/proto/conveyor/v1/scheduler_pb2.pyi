@@ -1,11 +1,103 @@
 from services.common.proto.conveyor.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+
+class UnpauseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseState(_message.Message):
+    __slots__ = ("paused", "mode", "num_running", "num_waiting", "num_aborted", "weight_version")
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    mode: PauseMode
+    num_running: int
+    num_waiting: int
+    num_aborted: int
+    weight_version: int
+    def __init__(self, paused: _Optional[bool] = ..., mode: _Optional[_Union[PauseMode, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_aborted: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path", "layers", "recompute_kept", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_KEPT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    recompute_kept: bool
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., recompute_kept: _Optional[bool] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsProgress(_message.Message):
+    __slots__ = ("phase", "weight_version", "num_tensors", "pause_s", "stage_s", "commit_s", "total_s")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[UpdateWeightsProgress.Phase]
+        PHASE_RECEIVING: _ClassVar[UpdateWeightsProgress.Phase]
+        PHASE_DONE: _ClassVar[UpdateWeightsProgress.Phase]
+    PHASE_UNSPECIFIED: UpdateWeightsProgress.Phase
+    PHASE_RECEIVING: UpdateWeightsProgress.Phase
+    PHASE_DONE: UpdateWeightsProgress.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    STAGE_S_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    phase: UpdateWeightsProgress.Phase
+    weight_version: int
+    num_tensors: int
+    pause_s: float
+    stage_s: float
+    commit_s: float
+    total_s: float
+    def __init__(self, phase: _Optional[_Union[UpdateWeightsProgress.Phase, str]] = ..., weight_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., pause_s: _Optional[float] = ..., stage_s: _Optional[float] = ..., commit_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("master_addr", "master_port", "timeout_s")
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_addr: str
+    master_port: int
+    timeout_s: float
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ("world_size",)
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    def __init__(self, world_size: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "tenant", "weight", "principal", "owner_token")
@@ -28,7 +120,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., principal: _Optional[str] = ..., owner_token: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error")
+    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +129,7 @@ class TokenDelta(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +138,8 @@ class TokenDelta(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "principal", "owner_token")
@@ -163,7 +257,15 @@ class SessionUpdate(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "paused", "pause_mode", "weight_version", "num_weight_updates")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ...) -> None: ...
+    paused: bool
+    pause_mode: PauseMode
+    weight_version: int
+    num_weight_updates: int
+    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ...) -> None: ...

@@ -63,6 +63,26 @@ class SchedulerStub:
                 request_serializer=conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/conveyor.v1.Scheduler/Pause',
+                request_serializer=conveyor_dot_v1_dot_scheduler__pb2.PauseRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.PauseState.FromString,
+                _registered_method=True)
+        self.Unpause = channel.unary_unary(
+                '/conveyor.v1.Scheduler/Unpause',
+                request_serializer=conveyor_dot_v1_dot_scheduler__pb2.UnpauseRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.PauseState.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_stream(
+                '/conveyor.v1.Scheduler/UpdateWeights',
+                request_serializer=conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsProgress.FromString,
+                _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/conveyor.v1.Scheduler/InitWeightTransfer',
+                request_serializer=conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -114,6 +134,42 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Admin (docs/training.md): the internal token or an internal client certificate; on a
+        scheduler without either, loopback callers only. PERMISSION_DENIED otherwise.
+        Stops stepping as `mode` says and returns once it holds (wait: running requests have
+        finished). Submit keeps queueing requests while paused; they run after Unpause.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpause(self, request, context):
+        """Steps again: kept requests go on, queued ones are admitted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Swaps the model's weights on every stage at once: freezes stepping (as KEEP), lets the
+        steps in flight finish, has every stage stage the new tensors (from files, or
+        from the trainer's broadcast), commits them on all stages or on none, invalidates the
+        prefix cache and restores the previous pause state. Streams RECEIVING (trainer only:
+        broadcast now) and then DONE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Has every stage join the trainer's process group (the trainer is rank 0 and hosts the
+        rendezvous at master_addr:master_port); returns the group's size for the trainer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +197,26 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.PauseRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_scheduler__pb2.PauseState.SerializeToString,
+            ),
+            'Unpause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpause,
+                    request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.UnpauseRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_scheduler__pb2.PauseState.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsProgress.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +358,114 @@ class Scheduler:
             '/conveyor.v1.Scheduler/Session',
             conveyor_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
             conveyor_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Scheduler/Pause',
+            conveyor_dot_v1_dot_scheduler__pb2.PauseRequest.SerializeToString,
+            conveyor_dot_v1_dot_scheduler__pb2.PauseState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Scheduler/Unpause',
+            conveyor_dot_v1_dot_scheduler__pb2.UnpauseRequest.SerializeToString,
+            conveyor_dot_v1_dot_scheduler__pb2.PauseState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/conveyor.v1.Scheduler/UpdateWeights',
+            conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsRequest.SerializeToString,
+            conveyor_dot_v1_dot_scheduler__pb2.UpdateWeightsProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.Scheduler/InitWeightTransfer',
+            conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferRequest.SerializeToString,
+            conveyor_dot_v1_dot_scheduler__pb2.InitWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

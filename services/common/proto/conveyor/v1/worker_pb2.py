@@ -25,31 +25,45 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.conveyor.v1 import common_pb2 as conveyor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"\xcb\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"o\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"\xd3\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.conveyor.v1.NewRequest\x12\x33\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1e\n\x16tokens_from_last_stage\x18\x05 \x01(\x08\x12\x14\n\x0ctrace_parent\x18\x06 \x01(\t\"\xec\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0elogprobs_index\x18\x06 \x03(\r\x12\x18\n\x10\x63ompute_start_ns\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x08 \x01(\x03\x12\x0f\n\x07wait_ns\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xfe\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\":\n\x12GetTimelineRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\r\n\x05reset\x18\x02 \x01(\x08\"z\n\nStepTiming\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x0f\n\x07wait_ns\x18\x06 \x01(\x03\"\x84\x01\n\x08Timeline\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12&\n\x05steps\x18\x05 \x03(\x0b\x32\x17.conveyor.v1.StepTiming2\xd8\x01\n\x0bStageWorker\x12\x39\n\x03Run\x12\x15.conveyor.v1.StepPlan\x1a\x17.conveyor.v1.StepReport(\x01\x30\x01\x12G\n\x08\x44\x65scribe\x12\x1c.conveyor.v1.DescribeRequest\x1a\x1d.conveyor.v1.DescribeResponse\x12\x45\n\x0bGetTimeline\x12\x1f.conveyor.v1.GetTimelineRequest\x1a\x15.conveyor.v1.Timelineb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/worker.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\"u\n\x14StageTransferRequest\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x17\n\x15StageTransferResponse\"K\n\x13StageWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\"\xa3\x01\n\x11StageWeightsReply\x12\x33\n\x05phase\x18\x01 \x01(\x0e\x32$.conveyor.v1.StageWeightsReply.Phase\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"D\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x12\n\x0ePHASE_ACCEPTED\x10\x01\x12\x10\n\x0cPHASE_STAGED\x10\x02\"?\n\x14\x43ommitWeightsRequest\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x0f\n\x07\x64iscard\x18\x02 \x01(\x08\"/\n\x15\x43ommitWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\"\xcb\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"o\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"\xd3\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.conveyor.v1.NewRequest\x12\x33\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1a.conveyor.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x1e\n\x16tokens_from_last_stage\x18\x05 \x01(\x08\x12\x14\n\x0ctrace_parent\x18\x06 \x01(\t\"\xec\x01\n\nStepReport\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0elogprobs_index\x18\x06 \x03(\r\x12\x18\n\x10\x63ompute_start_ns\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x08 \x01(\x03\x12\x0f\n\x07wait_ns\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xdb\x02\n\x10\x44\x65scribeResponse\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x14\n\x0cquantization\x18\r \x01(\t\x12\x0f\n\x07tp_rank\x18\x0f \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\r\x12\x16\n\x0eweight_version\x18\x11 \x01(\x04\":\n\x12GetTimelineRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\r\n\x05reset\x18\x02 \x01(\x08\"\x91\x01\n\nStepTiming\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x0f\n\x07wait_ns\x18\x06 \x01(\x03\x12\x15\n\rcollective_ns\x18\x07 \x01(\x03\"\x84\x01\n\x08Timeline\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12&\n\x05steps\x18\x05 \x03(\x0b\x32\x17.conveyor.v1.StepTiming2\xe1\x03\n\x0bStageWorker\x12\x39\n\x03Run\x12\x15.conveyor.v1.StepPlan\x1a\x17.conveyor.v1.StepReport(\x01\x30\x01\x12G\n\x08\x44\x65scribe\x12\x1c.conveyor.v1.DescribeRequest\x1a\x1d.conveyor.v1.DescribeResponse\x12\x45\n\x0bGetTimeline\x12\x1f.conveyor.v1.GetTimelineRequest\x1a\x15.conveyor.v1.Timeline\x12[\n\x12InitWeightTransfer\x12!.conveyor.v1.StageTransferRequest\x1a\".conveyor.v1.StageTransferResponse\x12R\n\x0cStageWeights\x12 .conveyor.v1.StageWeightsRequest\x1a\x1e.conveyor.v1.StageWeightsReply0\x01\x12V\n\rCommitWeights\x12!.conveyor.v1.CommitWeightsRequest\x1a\".conveyor.v1.CommitWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEWREQUEST']._serialized_start=68
-  _globals['_NEWREQUEST']._serialized_end=271
-  _globals['_CACHEDREQUEST']._serialized_start=273
-  _globals['_CACHEDREQUEST']._serialized_end=384
-  _globals['_STEPPLAN']._serialized_start=387
-  _globals['_STEPPLAN']._serialized_end=598
-  _globals['_STEPREPORT']._serialized_start=601
-  _globals['_STEPREPORT']._serialized_end=837
-  _globals['_DESCRIBEREQUEST']._serialized_start=839
-  _globals['_DESCRIBEREQUEST']._serialized_end=856
-  _globals['_DESCRIBERESPONSE']._serialized_start=859
-  _globals['_DESCRIBERESPONSE']._serialized_end=1113
-  _globals['_GETTIMELINEREQUEST']._serialized_start=1115
-  _globals['_GETTIMELINEREQUEST']._serialized_end=1173
-  _globals['_STEPTIMING']._serialized_start=1175
-  _globals['_STEPTIMING']._serialized_end=1297
-  _globals['_TIMELINE']._serialized_start=1300
-  _globals['_TIMELINE']._serialized_end=1432
-  _globals['_STAGEWORKER']._serialized_start=1435
-  _globals['_STAGEWORKER']._serialized_end=1651
+  _globals['_STAGETRANSFERREQUEST']._serialized_start=67
+  _globals['_STAGETRANSFERREQUEST']._serialized_end=184
+  _globals['_STAGETRANSFERRESPONSE']._serialized_start=186
+  _globals['_STAGETRANSFERRESPONSE']._serialized_end=209
+  _globals['_STAGEWEIGHTSREQUEST']._serialized_start=211
+  _globals['_STAGEWEIGHTSREQUEST']._serialized_end=286
+  _globals['_STAGEWEIGHTSREPLY']._serialized_start=289
+  _globals['_STAGEWEIGHTSREPLY']._serialized_end=452
+  _globals['_STAGEWEIGHTSREPLY_PHASE']._serialized_start=384
+  _globals['_STAGEWEIGHTSREPLY_PHASE']._serialized_end=452
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=454
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=517
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=519
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=566
+  _globals['_NEWREQUEST']._serialized_start=569
+  _globals['_NEWREQUEST']._serialized_end=772
+  _globals['_CACHEDREQUEST']._serialized_start=774
+  _globals['_CACHEDREQUEST']._serialized_end=885
+  _globals['_STEPPLAN']._serialized_start=888
+  _globals['_STEPPLAN']._serialized_end=1099
+  _globals['_STEPREPORT']._serialized_start=1102
+  _globals['_STEPREPORT']._serialized_end=1338
+  _globals['_DESCRIBEREQUEST']._serialized_start=1340
+  _globals['_DESCRIBEREQUEST']._serialized_end=1357
+  _globals['_DESCRIBERESPONSE']._serialized_start=1360
+  _globals['_DESCRIBERESPONSE']._serialized_end=1707
+  _globals['_GETTIMELINEREQUEST']._serialized_start=1709
+  _globals['_GETTIMELINEREQUEST']._serialized_end=1767
+  _globals['_STEPTIMING']._serialized_start=1770
+  _globals['_STEPTIMING']._serialized_end=1915
+  _globals['_TIMELINE']._serialized_start=1918
+  _globals['_TIMELINE']._serialized_end=2050
+  _globals['_STAGEWORKER']._serialized_start=2053
+  _globals['_STAGEWORKER']._serialized_end=2534
 # @@protoc_insertion_point(module_scope)

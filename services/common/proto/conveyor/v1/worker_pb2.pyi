@@ -1,11 +1,70 @@
 from services.common.proto.conveyor.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageTransferRequest(_message.Message):
+    __slots__ = ("master_addr", "master_port", "rank", "world_size", "timeout_s")
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class StageTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageWeightsRequest(_message.Message):
+    __slots__ = ("path", "layers", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class StageWeightsReply(_message.Message):
+    __slots__ = ("phase", "num_tensors")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[StageWeightsReply.Phase]
+        PHASE_ACCEPTED: _ClassVar[StageWeightsReply.Phase]
+        PHASE_STAGED: _ClassVar[StageWeightsReply.Phase]
+    PHASE_UNSPECIFIED: StageWeightsReply.Phase
+    PHASE_ACCEPTED: StageWeightsReply.Phase
+    PHASE_STAGED: StageWeightsReply.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    phase: StageWeightsReply.Phase
+    num_tensors: int
+    def __init__(self, phase: _Optional[_Union[StageWeightsReply.Phase, str]] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("weight_version", "discard")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    discard: bool
+    def __init__(self, weight_version: _Optional[int] = ..., discard: _Optional[bool] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
@@ -82,7 +141,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device")
+    __slots__ = ("stage", "num_stages", "first_layer", "num_layers", "num_kv_blocks", "block_size", "ready", "model_name", "max_model_len", "vocab_size", "eos_token_ids", "device", "quantization", "tp_rank", "tensor_parallel_size", "weight_version")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +154,10 @@ class DescribeResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     first_layer: int
@@ -107,7 +170,11 @@ class DescribeResponse(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ...) -> None: ...
+    quantization: str
+    tp_rank: int
+    tensor_parallel_size: int
+    weight_version: int
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("include_steps", "reset")
@@ -118,20 +185,22 @@ class GetTimelineRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns")
+    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns", "collective_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_requests: int
     num_tokens: int
     start_ns: int
     end_ns: int
     wait_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ...) -> None: ...
+    collective_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., collective_ns: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
     __slots__ = ("stage", "busy_fraction", "bubble_fraction", "num_steps", "steps")

@@ -50,6 +50,21 @@ class StageWorkerStub:
                 request_serializer=conveyor_dot_v1_dot_worker__pb2.GetTimelineRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_worker__pb2.Timeline.FromString,
                 _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/conveyor.v1.StageWorker/InitWeightTransfer',
+                request_serializer=conveyor_dot_v1_dot_worker__pb2.StageTransferRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_worker__pb2.StageTransferResponse.FromString,
+                _registered_method=True)
+        self.StageWeights = channel.unary_stream(
+                '/conveyor.v1.StageWorker/StageWeights',
+                request_serializer=conveyor_dot_v1_dot_worker__pb2.StageWeightsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_worker__pb2.StageWeightsReply.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_unary(
+                '/conveyor.v1.StageWorker/CommitWeights',
+                request_serializer=conveyor_dot_v1_dot_worker__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_worker__pb2.CommitWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -78,6 +93,29 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightTransfer(self, request, context):
+        """Joins the trainer's process group as `rank` (in the background: the trainer joins
+        after the scheduler answers); the next StageWeights from the trainer waits for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageWeights(self, request, context):
+        """Reads (from files) or receives (the trainer's broadcast) new weights for this stage's
+        tensors and holds them beside the live ones. Answers ACCEPTED at once, then STAGED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Swaps the staged weights in (between two steps), or drops them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +133,21 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.GetTimeline,
                     request_deserializer=conveyor_dot_v1_dot_worker__pb2.GetTimelineRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_worker__pb2.Timeline.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.StageTransferRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_worker__pb2.StageTransferResponse.SerializeToString,
+            ),
+            'StageWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.StageWeights,
+                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.StageWeightsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_worker__pb2.StageWeightsReply.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=conveyor_dot_v1_dot_worker__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_worker__pb2.CommitWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +232,87 @@ class StageWorker:
             '/conveyor.v1.StageWorker/GetTimeline',
             conveyor_dot_v1_dot_worker__pb2.GetTimelineRequest.SerializeToString,
             conveyor_dot_v1_dot_worker__pb2.Timeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.StageWorker/InitWeightTransfer',
+            conveyor_dot_v1_dot_worker__pb2.StageTransferRequest.SerializeToString,
+            conveyor_dot_v1_dot_worker__pb2.StageTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/conveyor.v1.StageWorker/StageWeights',
+            conveyor_dot_v1_dot_worker__pb2.StageWeightsRequest.SerializeToString,
+            conveyor_dot_v1_dot_worker__pb2.StageWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.StageWorker/CommitWeights',
+            conveyor_dot_v1_dot_worker__pb2.CommitWeightsRequest.SerializeToString,
+            conveyor_dot_v1_dot_worker__pb2.CommitWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,84 @@
+"""Domain exceptions as OpenAI's error bodies and HTTP statuses (the HTTP twin of
+services/common/serving.py's gRPC mapping: the messages are the same)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from services.common import errors
+from services.router.http.schemas import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class BodyTooLarge(errors.InvalidRequest):
+    """A request body over --max-message-bytes (HTTP 413)."""
+
+
+# (exception, HTTP status, OpenAI error type, code); the first match wins
+_STATUSES: list[tuple[type[BaseException], int, str, str | None]] = [
+    (errors.ModelNotFound, 404, "invalid_request_error", "model_not_found"),
+    (BodyTooLarge, 413, "invalid_request_error", "request_too_large"),
+    (errors.InvalidRequest, 400, "invalid_request_error", None),
+    (errors.ModelLoadError, 400, "invalid_request_error", None),  # e.g. no chat template
+    (errors.Unauthenticated, 401, "authentication_error", "invalid_api_key"),
+    (errors.PermissionDenied, 403, "permission_error", None),
+    (errors.RequestExists, 409, "invalid_request_error", None),
+    (errors.QueueFull, 429, "rate_limit_error", "queue_full"),
+    (errors.PipelineUnavailable, 503, "service_unavailable_error", None),
+    (errors.StateStoreError, 503, "service_unavailable_error", None),
+    (errors.RequestFailed, 500, "server_error", None),
+]
+
+
+def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
+    """(HTTP status, OpenAI error body) of an exception; 500 for anything unexpected."""
+    for exc_type, status, kind, code in _STATUSES:
+        if isinstance(exc, exc_type):
+            return status, ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=code))
+    message = f"internal error in the router: {type(exc).__name__}: {exc}"
+    return 500, ErrorResponse(error=ErrorInfo(message=message, type="server_error"))
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    if status == 500:
+        logger.exception("HTTP request failed", exc_info=exc)
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message naming every bad field, the first field's name) of a body that does not fit
+    the schema."""
+    parts, param = [], None
+    for error in exc.errors():
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or "body"
+        param = param or name
+        parts.append(f"{name}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "the request body is not valid", param
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_message(exc)
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type="invalid_request_error", param=param)
+    )
+    return JSONResponse(body.model_dump(), status_code=400)
+
+
+async def on_conveyor_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, unreadable body) in OpenAI's shape."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=kind))
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)

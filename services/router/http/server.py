@@ -1,0 +1,96 @@
+"""uvicorn inside the router's event loop (`--http-port`): one process, one scheduler
+connection, one tokenizer for both APIs.
+
+uvicorn's `Server.serve()` would install its own SIGTERM/SIGINT handlers and exit the process
+when the port is taken; the router owns the signals (it drains gRPC and HTTP together) and
+reports a taken port as a ConfigError, so we bind the socket ourselves and drive uvicorn's
+startup / main loop / shutdown steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from services.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port ("[::]" or "::" listens on IPv6 and IPv4, or IPv4
+    alone on a machine without IPv6). Raises ConfigError when the port cannot be had."""
+    host = host.strip("[]")
+    try:
+        if host == "::" and not socket.has_dualstack_ipv6():
+            host = "0.0.0.0"
+        if ":" in host:
+            return socket.create_server(
+                (host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::"
+            )
+        return socket.create_server((host, port))
+    except OSError as exc:
+        raise ConfigError(
+            f"--http-port={port}: cannot listen on {host} ({exc.strerror}); pick a free port"
+        ) from exc
+
+
+@dataclass
+class HttpServer:
+    """An ASGI app served on one port until `stop()`."""
+
+    app: object
+    host: str
+    port: int
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """PEM CA whose client certificates the port requires; None: none asked."""
+    max_connections: int | None = None
+    """Connections and requests at once; one more is answered 503 by uvicorn."""
+    _server: uvicorn.Server | None = field(default=None, init=False)
+    _loop_task: asyncio.Task | None = field(default=None, init=False)
+    _sockets: list[socket.socket] = field(default_factory=list, init=False)
+
+    def bind(self) -> None:
+        """Takes the port (ConfigError when it cannot): before the gRPC server starts, so
+        that a taken port stops the router before anything runs."""
+        if not self._sockets:
+            self._sockets = [bind(self.host, self.port)]
+
+    async def start(self) -> None:
+        self.bind()
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,  # the router's logging setup applies
+            access_log=False,  # one line per request is the metrics' job
+            ssl_certfile=self.tls_cert,
+            ssl_keyfile=self.tls_key,
+            ssl_ca_certs=self.tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if self.tls_client_ca else ssl.CERT_NONE,
+            limit_concurrency=self.max_connections,
+            timeout_graceful_shutdown=5,
+        )
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=self._sockets)
+        self._server = server
+        self._loop_task = asyncio.create_task(server.main_loop())
+        scheme = "https" if self.tls_cert else "http"
+        logger.info("OpenAI-compatible API on %s://%s:%d/v1", scheme, self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stops accepting, lets running requests finish (5 s), then closes."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        await self._loop_task
+        await self._server.shutdown(sockets=self._sockets)
+        self._server = None

@@ -1,0 +1,231 @@
+"""Weight-only quantization of a stage's linears: int8 or FP8, one scale per output channel.
+
+Each worker quantizes only its own layers, after they are loaded in the compute dtype
+(`quantize_linears`); embeddings, norms and the logits matmul stay in the compute dtype.
+A weight row r is stored as q[r, :] with  w[r, :] ~= q[r, :] * scale[r]:
+
+    int8:  scale = amax(|w[r]|) / 127     q = round(w / scale) in [-127, 127]
+    fp8:   scale = amax(|w[r]|) / 448     q = float8_e4m3fn(w / scale)   (448: e4m3's max)
+
+Matmuls (`QuantLinear.forward`), by what the hardware has:
+
+    int8, CPU   torch's packed int8 weight-only kernel (`_weight_int8pack_mm`, bf16
+                activations: its float32 path is ~10x slower, see docs/performance.md)
+    fp8, CUDA   the Triton kernel kernels/fp8_matmul.py (fp8 tiles widened in registers)
+    otherwise   dequantized in the matmul: x @ (q * 1).T, then * scale per column
+
+FP8 checkpoints (vLLM / llm-compressor: `*.weight` in float8_e4m3fn beside `weight_scale`,
+per tensor or per channel) are read through `Fp8CheckpointReader`, which hands the loader
+the exact float32 product q * weight_scale; quantizing that per channel again gives back the
+stored values wherever the checkpoint's scales are per channel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import ConfigError, ModelLoadError
+from services.worker.model.loader import SafetensorsReader, load_stage_model
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "fp8")
+"""`--quantization`: vLLM's names for the weight formats."""
+INT8_MAX = 127.0
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+@dataclass(slots=True, frozen=True)
+class QuantSummary:
+    """What `quantize_linears` did to one stage: for Describe, metrics and logs."""
+
+    method: str | None
+    """"int8", "fp8", or None (nothing quantized)."""
+    num_linears: int
+    """Linear layers whose weights are quantized."""
+    weight_bytes: int
+    """Bytes of the quantized weights and their scales."""
+    full_bytes: int
+    """Bytes those weights took in the compute dtype before quantization."""
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] int8, scale [N] float32), symmetric per output channel.
+
+    The scale is rounded to a bfloat16 value (the CPU kernel takes bf16 scales) before q is
+    computed, so q * scale is the exact dequantized weight in every dtype; rounding it up
+    by one part in 256 keeps every |w / scale| <= 127.
+    """
+    amax = weight.detach().float().abs().amax(dim=1).clamp(min=1e-12)  # [N]
+    scale = (amax / INT8_MAX * (1 + 2**-8)).to(torch.bfloat16).float()
+    q = torch.round(weight.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8).contiguous(), scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] float8_e4m3fn, scale [N] float32), per output channel."""
+    amax = weight.detach().float().abs().amax(dim=1).clamp(min=1e-12)  # [N]
+    scale = amax / FP8_MAX
+    q = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q [N, K], scale [N]) -> the [N, K] weight q * scale in `dtype` (computed in fp32)."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """`x @ dequantize(q, scale).T + bias` with q held in int8 or float8_e4m3fn."""
+
+    def __init__(self, method: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        q, scale = QUANTIZERS[method](weight)
+        self.register_buffer("qweight", q, persistent=False)  # [N, K]
+        self.register_buffer("scale", scale, persistent=False)  # [N] float32
+        # The int8 CPU kernel wants scales in the activation dtype: exact, see quantize_int8.
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.method == "int8" and x.device.type == "cpu":
+            out = torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16), self.qweight, self.scale_bf16
+            ).to(x.dtype)
+        elif self.method == "fp8" and x.device.type == "cuda":
+            from kernels.fp8_matmul import fp8_linear
+
+            out = fp8_linear(x, self.qweight, self.scale)
+        else:
+            out = _dequantized_linear(x, self.qweight, self.scale)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"
+
+
+def _dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Where no kernel computes on q: widen it, multiply, scale the output columns.
+
+    On CPU the widening and matmul run in float32: bf16 matmuls without AVX512-BF16 are
+    several times slower than MKL's fp32 ones, and fp8 -> fp32 is the cheapest cast.
+    """
+    compute = torch.float32 if x.device.type == "cpu" else x.dtype
+    out = F.linear(x.to(compute), q.to(compute)) * scale.to(compute)
+    return out.to(x.dtype)
+
+
+def quantize_linears(module: nn.Module, method: str) -> QuantSummary:
+    """Swap every `nn.Linear` under `module` for a `QuantLinear` of `method`."""
+    if method not in QUANTIZERS:
+        raise ConfigError(f"quantization={method!r} is unknown: choose one of {QUANTIZATIONS}")
+    num, weight_bytes, full_bytes = 0, 0, 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                quantized = QuantLinear(method, child.weight, child.bias)
+                full_bytes += child.weight.numel() * child.weight.element_size()
+                weight_bytes += quantized.num_bytes
+                setattr(parent, name, quantized)
+                num += 1
+    return QuantSummary(method, num, weight_bytes, full_bytes)
+
+
+def quantize_stage(model: nn.Module, method: str) -> QuantSummary:
+    """Quantize the decoder layers of a loaded StageModel (embeddings, norms and the logits
+    stay in the compute dtype) and record what was done in `model.quantization`."""
+    summary = quantize_linears(model.layers, method)
+    model.quantization = summary
+    logger.info(
+        "stage %d: %d linears quantized to %s (%.1f MiB -> %.1f MiB)",
+        model.stage.stage_index,
+        summary.num_linears,
+        method,
+        summary.full_bytes / 2**20,
+        summary.weight_bytes / 2**20,
+    )
+    return summary
+
+
+def load_quantized_stage(
+    model_dir: str | Path, stage, dtype: str, quantization: str | None, **kwargs
+) -> nn.Module:
+    """`load_stage_model`, then quantize the layers: `quantization`, else the checkpoint's
+    own (an FP8 checkpoint is read through `Fp8CheckpointReader` either way)."""
+    checkpoint = checkpoint_quantization(model_dir)
+    reader = Fp8CheckpointReader(model_dir) if checkpoint == "fp8" else None
+    model = load_stage_model(model_dir, stage, dtype, reader=reader, **kwargs)
+    method = quantization or checkpoint
+    if method is not None:
+        quantize_stage(model, method)
+    return model
+
+
+# ---------------------------------------------------------------- FP8 checkpoints
+def checkpoint_quantization(model_dir: str | Path) -> str | None:
+    """ "fp8" when config.json declares an FP8 checkpoint (vLLM's `quant_method: fp8`, or
+    llm-compressor's compressed-tensors with float 8-bit weights), else None."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # ModelConfig.from_dir reports a bad config.json
+    quant = config.get("quantization_config") or config.get("compression_config")
+    if not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in (quant.get("config_groups") or {}).values():
+            weights = (group or {}).get("weights") or {}
+            if weights.get("type") == "float" and weights.get("num_bits") == 8:
+                return "fp8"
+    raise ModelLoadError(
+        f"{model_dir}: quantization_config {method!r} is not supported: Conveyor reads "
+        "unquantized and FP8 (weight_scale) checkpoints"
+    )
+
+
+class Fp8CheckpointReader(SafetensorsReader):
+    """A reader that turns `<name>.weight` stored in FP8 (+ `<name>.weight_scale`) into the
+    float32 weight q * weight_scale; every other tensor reads as usual."""
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        scale_name = name + "_scale"
+        if not (name.endswith(".weight") and self.has(scale_name)):
+            return super().get(name, shape, dtype)
+        q = super().get(name, shape, torch.float32)  # float8 -> float32 is exact
+        scale = super().get(scale_name, self._stored_shape(scale_name), torch.float32)
+        if scale.numel() not in (1, shape[0]):
+            raise ModelLoadError(
+                f"{self.model_dir}: {scale_name} has {scale.numel()} values; expected 1 (per "
+                f"tensor) or {shape[0]} (per output channel)"
+            )
+        weight = q * scale.reshape(-1, 1)  # exact in float32: 4-bit mantissas times a scale
+        # Decoder linears are quantized per channel next; anything else (an FP8 lm_head)
+        # stays in the compute dtype like an unquantized checkpoint's.
+        return weight if ".layers." in name else weight.to(dtype)
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of a scale as stored ([], [1], [N] or [N, 1]), read from its header."""
+        path = self._file_of[name]
+        if path not in self._handles:
+            self._handles[path] = self._open(path).__enter__()
+        return tuple(self._handles[path].get_slice(name).get_shape())

@@ -1,0 +1,65 @@
+"""OpenAI request bodies to the core's inputs, and outputs to usage (pure, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidRequest, ModelNotFound
+from services.common.sampling import MAX_SEED
+from services.router.http import convert, schemas
+from services.router.output import OutputDelta, Usage
+from services.router.request import ModelLimits
+
+LIMITS = ModelLimits(name="m", max_model_len=64, vocab_size=100)
+
+
+def completion(**fields) -> schemas.CompletionRequest:
+    return schemas.CompletionRequest(**{"prompt": "x", **fields})
+
+
+def test_convert_prompt_forms_and_choice_order():
+    body = completion(prompt=["a", "b"], n=2, seed=MAX_SEED, max_tokens=3)
+    inputs = convert.completion_inputs(body, max_choices=64)
+    assert [i.text for i in inputs] == ["a", "a", "b", "b"]
+    assert [i.sampling.seed for i in inputs] == [MAX_SEED, 0, MAX_SEED, 0]  # seed + i, wrapped
+    assert convert.completion_prompts([1, 2]) == [(None, [1, 2])]
+    assert convert.completion_prompts([[1], [2, 3]]) == [(None, [1]), (None, [2, 3])]
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
+        convert.completion_prompts([])
+
+
+def test_convert_defaults_are_openais():
+    (one,) = convert.completion_inputs(completion(), max_choices=1)
+    assert (one.sampling.max_tokens, one.sampling.temperature) == (16, 1.0)
+    chat = schemas.ChatCompletionRequest(
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}],
+        logprobs=True,
+        top_logprobs=3,
+    )
+    (turn,) = convert.chat_input(chat, max_tokens=5, max_choices=1)[0].chat
+    assert (turn.role, turn.content) == ("system", "be brief")
+    assert convert.chat_input(chat, 5, 1)[0].sampling.logprobs == 3
+
+
+def test_convert_refuses_what_it_would_ignore():
+    with pytest.raises(InvalidRequest, match=r"unsupported parameter\(s\): logit_bias, suffix"):
+        convert.completion_inputs(completion(suffix="z", logit_bias={"1": 1}), 1)
+    convert.completion_inputs(completion(logit_bias=None), 1)  # null is "not sent"
+    with pytest.raises(InvalidRequest, match="best_of"):
+        convert.completion_inputs(completion(best_of=3), 1)
+    with pytest.raises(InvalidRequest, match="stream_options is only allowed with stream"):
+        convert.completion_inputs(completion(stream_options={"include_usage": True}), 1)
+    with pytest.raises(InvalidRequest, match=r"2000000000 choices .* at most 64"):
+        convert.completion_inputs(completion(n=1_000_000_000, prompt=["a", "b"]), 64)
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        convert.check_model("gpt-4", LIMITS)
+    convert.check_model(None, LIMITS)
+
+
+def test_convert_usage_counts_each_prompt_once():
+    def last(prompt: int, completion: int) -> OutputDelta:
+        return OutputDelta("", [], 0, finish_reason="stop", usage=Usage(prompt, completion, 1))
+
+    usage = convert.usage_of([last(5, 2), last(5, 3), last(7, 4), last(7, 1)], n=2)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (12, 10, 22)
+    assert usage.prompt_tokens_details.cached_tokens == 2

@@ -100,6 +100,8 @@ def test_build_lock_removes_the_lock_a_killed_build_left_and_excludes_others(tmp
     (tmp_path / "lock").touch()
     with cpu_backend.build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
-        with open(tmp_path / ".conveyor-build.lock", "w") as other:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with (
+            open(tmp_path / ".conveyor-build.lock", "w") as other,
+            pytest.raises(BlockingIOError),
+        ):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

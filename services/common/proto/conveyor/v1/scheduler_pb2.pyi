@@ -176,7 +176,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds")
+    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates")
     class RequestBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,10 @@ class SchedulerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preempted_total: int
@@ -224,7 +228,11 @@ class SchedulerStats(_message.Message):
     block_size: int
     not_serving_reason: str
     cpu_seconds: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
+    paused: bool
+    pause_mode: PauseMode
+    weight_version: int
+    num_weight_updates: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "submit", "resume", "abort", "cancel", "traceparent")
@@ -257,15 +265,7 @@ class SessionUpdate(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("updates", "paused", "pause_mode", "weight_version", "num_weight_updates")
+    __slots__ = ("updates",)
     UPDATES_FIELD_NUMBER: _ClassVar[int]
-    PAUSED_FIELD_NUMBER: _ClassVar[int]
-    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    NUM_WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
-    paused: bool
-    pause_mode: PauseMode
-    weight_version: int
-    num_weight_updates: int
-    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ...) -> None: ...
+    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ...) -> None: ...

@@ -57,6 +57,7 @@ class SimStageModel:
     def __init__(self, config: ModelConfig, stage: StageSpec) -> None:
         self.config, self.stage = config, stage
         self._wire = torch.empty(0, dtype=WIRE_DTYPE)
+        self.quantization = None  # no weights, none quantized (Describe and metrics read it)
 
     def parameters(self):
         return iter([self._wire])

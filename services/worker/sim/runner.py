@@ -59,6 +59,7 @@ class SimStageModel:
         self.quantization = None
         """No weights, so nothing quantized (Describe reads it)."""
         self._wire = torch.empty(0, dtype=WIRE_DTYPE)
+        self.quantization = None  # no weights, none quantized (Describe and metrics read it)
 
     def parameters(self):
         return iter([self._wire])

@@ -50,6 +50,7 @@ class Delta:
     finish_reason: str | None = None  # "stop", "length", "abort" on the last delta
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
     logprobs: list[Any] = field(default_factory=list)
+    weight_version: int = 0  # the model weights that produced these tokens (docs/training.md)
 
 
 @dataclass(slots=True)
@@ -116,6 +117,7 @@ def delta_from_pb(msg: generation_pb2.GenerateResponse) -> Delta:
         finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
         usage=usage,
         logprobs=list(msg.logprobs),
+        weight_version=msg.weight_version,
     )
 
 

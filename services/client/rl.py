@@ -134,7 +134,7 @@ class EngineControl:
         if first.phase != scheduler_pb2.UpdateWeightsProgress.PHASE_RECEIVING:
             raise RuntimeError(f"the scheduler answered {first} before the broadcast")
         t0 = time.perf_counter()
-        num_bytes = broadcast_state_dict(self._group, state_dict)
+        num_bytes = broadcast_state_dict(self._group, _distinct(state_dict))
         broadcast_s = time.perf_counter() - t0
         update = _update(next(stream))
         update.broadcast_s, update.num_bytes = broadcast_s, num_bytes
@@ -144,6 +144,18 @@ class EngineControl:
         return self._stub.GetStats(
             scheduler_pb2.GetStatsRequest(), timeout=30, metadata=self._metadata
         )
+
+
+def _distinct(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` without the tensors that share storage with an earlier one (a tied
+    lm_head is the embedding: the stages take the embedding for it)."""
+    seen, distinct = set(), {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            distinct[name] = tensor
+    return distinct
 
 
 def _update(msg: scheduler_pb2.UpdateWeightsProgress) -> WeightUpdate:

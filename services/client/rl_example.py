@@ -31,7 +31,7 @@ def train_step(model, tokenizer, text: str, lr: float) -> float:
                 param.add_(param.grad, alpha=-lr)
                 param.grad = None
     model.eval()
-    return float(loss)
+    return loss.item()
 
 
 def main() -> None:
@@ -60,10 +60,10 @@ def main() -> None:
             wall_s = time.perf_counter() - t0
             print(
                 f"step {step}: loss {loss:.3f}; weights v{update.weight_version} "
-                f"({update.num_tensors} tensors, {update.num_bytes / 2**20:.0f} MiB) in "
-                f"{wall_s:.2f} s end to end (scheduler: {update.total_s:.2f} s; "
-                f"broadcast {update.broadcast_s:.2f} s = {update.broadcast_s / wall_s:.0%}; "
-                f"commit {update.commit_s:.2f} s)"
+                f"({update.num_tensors} tensors, {update.num_bytes / 2**20:.0f} MiB sent) in "
+                f"{wall_s:.2f} s end to end: pause {update.pause_s:.2f} s, staging "
+                f"{update.stage_s:.2f} s of which broadcast {update.broadcast_s:.2f} s "
+                f"({update.broadcast_s / wall_s:.0%} of the whole), commit {update.commit_s:.2f} s"
             )
             print("after: ", repr(client.complete(prompt, max_tokens=12).text))
 

@@ -49,6 +49,7 @@ def output_to_pb(request_id: str, out: OutputDelta) -> generation_pb2.GenerateRe
         offset=out.offset,
         finish_reason=FINISH_TO_PB[out.finish_reason],
         logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
+        weight_version=out.weight_version,
     )
     if out.usage is not None:
         msg.usage.CopyFrom(

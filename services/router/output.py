@@ -30,6 +30,8 @@ class SchedulerDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""
+    weight_version: int = 0
+    """The weights that produced these tokens (the scheduler's UpdateWeights)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class OutputDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str = ""
+    weight_version: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class OutputBuilder:
             offset=offset,
             logprobs=logprobs,
             finish_reason=finish,
+            weight_version=delta.weight_version,
         )
         if finish is not None:
             self.is_finished = True

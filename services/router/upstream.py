@@ -81,6 +81,7 @@ def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerD
         num_prompt_tokens=msg.num_prompt_tokens,
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error,
+        weight_version=msg.weight_version,
     )
 
 

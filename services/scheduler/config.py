@@ -56,6 +56,8 @@ class PipelineInfo:
     eos_token_ids: list[int]
     device: str = "cpu"
     """"cpu" when any stage computes on a CPU, else the stages' device ("cuda")."""
+    weight_versions: list[int] = field(default_factory=list)
+    """The version of the weights each stage serves, stage order (UpdateWeights)."""
 
 
 @dataclass(slots=True)

@@ -162,6 +162,7 @@ class Pipeline:
             model_name=last.model_name,
             eos_token_ids=list(last.eos_token_ids),
             device="cpu" if any(r.device in ("", "cpu") for r in replies) else last.device,
+            weight_versions=[r.weight_version for r in replies],
         )
 
     async def wait_ready(self, timeout_s: float | None = None) -> PipelineInfo:

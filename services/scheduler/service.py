@@ -126,6 +126,8 @@ class SchedulerService:
         self.num_weight_updates = 0
         self._quiet = asyncio.Event()
         """Set by the loop while paused once nothing is in flight (WAIT: nothing runs)."""
+        self._weights_problem: str | None = None
+        """Why the stages cannot serve together (they hold different weights), or None."""
 
     @property
     def inflight(self) -> int:
@@ -141,6 +143,7 @@ class SchedulerService:
     async def start(self) -> None:
         """Waits for every stage, recovers requests from Redis, opens the session."""
         self.info = await self.pipeline.wait_ready()
+        self._check_stage_weights(self.info.weight_versions)
         self.config = config = self.config.resolved(self.info)
         self.scheduler = await self._recover_state(config)
         now = time.monotonic()
@@ -365,6 +368,8 @@ class SchedulerService:
                 await asyncio.sleep(0.5)
 
     async def _dispatch(self) -> None:
+        if self._weights_problem is not None:
+            return  # no step on a mix of weights; UpdateWeights makes the stages agree
         scheduler = self.scheduler
         is_async = self.config.is_async
         observer = self.observer
@@ -498,10 +503,46 @@ class SchedulerService:
         when asked."""
         self.weight_version = version
         self.num_weight_updates += 1
+        if self._weights_problem is not None:
+            logger.info("every stage serves weights version %d again", version)
+            self._weights_problem = None
+            self._update_health()
         self.scheduler.block_manager.invalidate_prefix_cache()
         if recompute_running:
             num = self.scheduler.recompute_running()
             logger.info("recomputing %d running requests under weights version %d", num, version)
+
+    @property
+    def is_pipeline_whole(self) -> bool:
+        return self._is_pipeline_whole
+
+    @property
+    def stages_disagree(self) -> bool:
+        """The stages serve different weights (one restarted since an update)."""
+        return self._weights_problem is not None
+
+    def stages_diverged(self, reason: str) -> None:
+        """Some stages may serve other weights than the rest: step nothing until an update."""
+        self._weights_problem = f"{reason}; run UpdateWeights (every layer) so that they agree"
+        logger.error("%s", self._weights_problem)
+        self._update_health()
+
+    def _check_stage_weights(self, versions: list[int]) -> None:
+        """Adopts the stages' weight version when they agree (a restarted scheduler); else
+        stops stepping: a stage that restarted after an update serves --model again."""
+        if len(set(versions)) <= 1:
+            version = versions[0] if versions else 0
+            if version != self.weight_version:
+                logger.info("the stages serve weights version %d", version)
+                self.weight_version = version
+            self._weights_problem = None
+            return
+        self._weights_problem = (
+            f"the stages serve different weights (versions {versions}, in --workers order): a stage "
+            "restarted and loaded --model again; run UpdateWeights (every layer) so that "
+            "they agree"
+        )
+        logger.error("%s", self._weights_problem)
 
     def _note_quiet(self) -> None:
         mode = self.pause_mode
@@ -582,7 +623,8 @@ class SchedulerService:
         self.scheduler.requeue_running()
         while True:
             try:
-                await self.pipeline.wait_ready()
+                info = await self.pipeline.wait_ready()
+                self._check_stage_weights(info.weight_versions)
                 break
             except PipelineUnavailable:
                 await asyncio.sleep(0.5)
@@ -594,7 +636,7 @@ class SchedulerService:
         if not self._is_pipeline_whole:
             self.not_serving_reason = pipeline_problem
         else:
-            self.not_serving_reason = self._store_error
+            self.not_serving_reason = self._store_error or self._weights_problem
         if self.serving != was_serving:
             if not self.serving:
                 logger.warning("NOT_SERVING: %s", self.not_serving_reason)

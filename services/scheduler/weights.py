@@ -99,9 +99,13 @@ class WeightControl:
         if self._lock.locked():
             raise InvalidRequest("another weight update is running: wait for it to finish")
         async with self._lock:
-            if service.scheduler is None or not service.serving:
+            if service.scheduler is None or not service.is_pipeline_whole:
                 raise PipelineUnavailable(
-                    f"the pipeline is not serving ({service.not_serving_reason})"
+                    f"the pipeline is not whole ({service.not_serving_reason}): retry once it is"
+                )
+            if service.stages_disagree and layer_ids:
+                raise InvalidRequest(
+                    f"{service.not_serving_reason}: reload every layer (no `layers`)"
                 )
             version = version or service.weight_version + 1
             if version <= service.weight_version:
@@ -175,12 +179,11 @@ class WeightControl:
         ]
         try:
             await _gather_stages(calls)
-        except ConveyorError:
-            # A swap is a pointer change: only a stage that died fails it, and a restarted
-            # stage loads --model again. Say so loudly; the next update makes them agree.
-            logger.error(
-                "a stage failed to commit weights version %d: stages may disagree", version
-            )
+        except ConveyorError as exc:
+            # A swap is a pointer change: only a stage that died fails it. The others may have
+            # swapped already: step nothing until an update makes them agree again.
+            reason = f"a stage failed to commit weights version {version}: {exc}"
+            self.service.stages_diverged(reason)
             raise
 
     async def _discard(self) -> None:

@@ -61,6 +61,9 @@ class StagedWeights:
     embed: torch.Tensor | None = None
     norm: torch.Tensor | None = None
     lm_head: torch.Tensor | None = None
+    lm_head_packed: PackedLinear | None = None
+    """The logits matmul in oneDNN's layout, packed here rather than at commit (a 49k-row
+    reorder takes a quarter of a second on the project's CPU)."""
     num_tensors: int = 0
 
 
@@ -82,7 +85,8 @@ class TensorReader:
         rows: tuple[int, int] | None = None,
         cols: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """As `SafetensorsReader.get`: `rows` / `cols` cut a tensor-parallel shard."""
+        """`name`, checked against its full `shape`; `rows` / `cols`: a tensor-parallel
+        rank's [start, end) of the first / second dimension."""
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"the trainer sent part of a layer but not {name!r}")
@@ -150,7 +154,7 @@ def select_received(model: StageModel, names: set[str]) -> WeightSelection:
 def stage_weights(model: StageModel, reader, selection: WeightSelection, version: int):
     """Builds the selected modules from `reader` (a `SafetensorsReader` or `TensorReader`);
     returns `StagedWeights`. Raises `ModelLoadError` for a missing or misshapen tensor."""
-    config, stage = model.config, model.stage
+    config, stage, vocab_rows = model.config, model.stage, model.tp.shard.vocab
     dtype = _live_dtype(model)
     device = _live_device(model)
     staged = StagedWeights(version)
@@ -160,21 +164,23 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             local = layer_id - stage.layer_start
             live = model.layers[local]
             with torch.device("meta"):
-                layer = DecoderLayer(config, live.self_attn.attention_fn)
+                layer = DecoderLayer(config, live.self_attn.attention_fn, model.tp)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
             quantize_like(model, layer, dtype)
             if isinstance(live.self_attn.qkv_proj, PackedLinear):
                 pack_linears(layer)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:
-            staged.embed = reader.get(EMBED, vocab_hidden, dtype).to(device)
+            staged.embed = reader.get(EMBED, vocab_hidden, dtype, rows=vocab_rows).to(device)
         if selection.norm:
             staged.norm = reader.get(NORM, (config.hidden_size,), dtype).to(device)
         if selection.lm_head and config.tie_word_embeddings and stage.is_first:
             staged.lm_head = staged.embed  # one tensor, as the loader ties it
         elif selection.lm_head:
             name = EMBED if config.tie_word_embeddings else LM_HEAD
-            staged.lm_head = reader.get(name, vocab_hidden, dtype).to(device)
+            staged.lm_head = reader.get(name, vocab_hidden, dtype, rows=vocab_rows).to(device)
+        if staged.lm_head is not None and model.lm_head is not None:
+            staged.lm_head_packed = PackedLinear(staged.lm_head)
         staged.num_tensors = len(reader.names_read)
     finally:
         reader.close()
@@ -193,8 +199,8 @@ def commit(model: StageModel, staged: StagedWeights) -> None:
         head = staged.lm_head
         if model.config.tie_word_embeddings and model.stage.is_first:
             head = model.embed_tokens.weight  # the Parameter just swapped in
-        if model.lm_head is not None:
-            model.lm_head = PackedLinear(head)
+        if staged.lm_head_packed is not None:
+            model.lm_head = staged.lm_head_packed
         else:
             model.lm_head_weight = head
 

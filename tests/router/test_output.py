@@ -82,3 +82,16 @@ def test_output_held_back_text_is_released_at_finish(tiny_tokenizer):
     outs = _feed(_builder(tiny_tokenizer, stop=["<stop>"]), ids, finish="stop")
     assert "".join(o.text for o in outs) == text
     assert outs[-1].finish_reason == "stop"
+
+
+def test_output_carries_the_weight_version_of_each_delta(tiny_tokenizer):
+    from services.router.generation import output_to_pb
+
+    builder = _builder(tiny_tokenizer)
+    ids = tiny_tokenizer.encode(" hello world")
+    first = builder.add(SchedulerDelta(offset=0, token_ids=ids[:1], weight_version=2))
+    last = builder.add(
+        SchedulerDelta(offset=1, token_ids=ids[1:], finish_reason="length", weight_version=3)
+    )
+    assert (first.weight_version, last.weight_version) == (2, 3)
+    assert output_to_pb("r", last).weight_version == 3

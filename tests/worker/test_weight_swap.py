@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from services.common.errors import InvalidRequest, ModelLoadError
-from services.worker.model.loader import SafetensorsReader
+from services.worker.model.loader import SafetensorsReader, load_stage_model
+from services.worker.model.quant import load_quantized_stage
+from services.worker.model.stages import stage_spec
 from services.worker.weights import (
     TensorReader,
     commit,
@@ -108,3 +111,42 @@ def test_weight_update_of_a_quantized_stage_stays_quantized(tmp_path, method):
         )
         == 0
     )
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: t for name, t in named if t is not None and name != "rotary.cos_cache"}
+
+
+def _assert_same_tensors(ours, fresh) -> None:
+    a, b = _tensors(ours), _tensors(fresh)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_stage_weights_on_tensor_parallel_ranks_take_their_shard(tmp_path, tied):
+    """Each rank of a 2-rank stage, given every tensor (a trainer's broadcast), holds exactly
+    what a rank loaded from the new checkpoint holds."""
+    old = make_tiny_model(tmp_path / "old", tied=tied, seed=0)
+    new = make_tiny_model(tmp_path / "new", tied=tied, seed=1)
+    sent = load_file(str(new / "model.safetensors"))
+    stage = stage_spec(3, 1, 0)
+    for rank in range(2):
+        model = load_stage_model(old, stage, tp_rank=rank, tensor_parallel_size=2)
+        kept = {name: t for name, t in sent.items() if owns(model, name)}
+        commit(
+            model, stage_weights(model, TensorReader(kept), select_received(model, set(kept)), 1)
+        )
+        fresh = load_stage_model(new, stage, tp_rank=rank, tensor_parallel_size=2)
+        _assert_same_tensors(model, fresh)
+
+
+def test_stage_weights_on_a_quantized_stage_quantizes_the_new_layers(tmp_path):
+    old = make_tiny_model(tmp_path / "old", seed=0)
+    new = make_tiny_model(tmp_path / "new", seed=1)
+    stage = stage_spec(3, 1, 0)
+    model = load_quantized_stage(old, stage, "float32", "int8")
+    commit(model, stage_weights(model, SafetensorsReader(new), select_layers(model, []), 1))
+    _assert_same_tensors(model, load_quantized_stage(new, stage, "float32", "int8"))

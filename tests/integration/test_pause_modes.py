@@ -11,6 +11,7 @@ from tests.integration.utils import ProcessStack, wait_until
 from tests.integration.weights_utils import (
     TIE_MARGIN,
     Stream,
+    assert_matches,
     generate,
     hf_greedy,
     load_hf,
@@ -131,4 +132,20 @@ def test_update_under_load_never_mixes_weights(stack, engine, weights, smollm2_d
             new_model, [prompt + stream.tokens[:num_old]], LONG - num_old
         )
         compare_greedy(stream.tokens[num_old:], new_tokens[0], new_logits[0], TIE_MARGIN)
+    engine.update_from_files(str(smollm2_dir))
+
+
+def test_restarted_stage_with_old_weights_stops_serving_until_an_update(
+    stack, engine, weights, smollm2_dir
+):
+    """A stage restarted after an update loads --model again: the scheduler steps nothing
+    on the mix and says why, until an update of every layer makes the stages agree."""
+    update = engine.update_from_files(str(weights.trained_dir))
+    stack.kill_worker(1)
+    stack.start_worker(1)
+    wait_until(lambda: "different weights" in engine.stats().not_serving_reason, 300)
+    assert not engine.stats().serving
+    update = engine.update_from_files(str(weights.trained_dir))
+    wait_until(lambda: engine.stats().serving)
+    assert_matches(stack, weights.prompts, weights.trained, update.weight_version)
     engine.update_from_files(str(smollm2_dir))

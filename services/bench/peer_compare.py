@@ -152,9 +152,10 @@ def run_peer_compare(args: argparse.Namespace, workload: Workload, options: Driv
             args, peers, venvs, model_dir, workload, options, round_dir, requests
         )
         rounds.append(results)
-    report, text = _report(args, workload, model_dir, (limits, limits_cpu), rounds)
-    out = results_dir / "peers.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+        # after every round, so that a late failure keeps the rounds done
+        report, text = _report(args, workload, model_dir, (limits, limits_cpu), rounds)
+        out = results_dir / "peers.json"
+        out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{report['date']}, {report['machine']['cpu']}, {report['command']}\n", flush=True)
     print(text, flush=True)
     print(f"\nwrote {out} and each round's logs under {results_dir}/round-N/", flush=True)

@@ -81,10 +81,17 @@ def _workload_of(requests: list[BenchRequest]) -> Workload:
 
 def _one_round(args, peers, venvs, model_dir, workload, options, round_dir, requests):
     results: dict[str, dict] = {}
+    # a loaded shared machine can take minutes to start a stack (or build its C++ kernel)
+    extra = ["--dtype", args.dtype, "--startup-timeout", "900"]
     for mode in MODES:
-        results[mode.key], requests = _run_mode(
-            model_dir, mode, workload, options, round_dir, requests, ["--dtype", args.dtype]
-        )
+        try:
+            results[mode.key], requests = _run_mode(
+                model_dir, mode, workload, options, round_dir, requests, extra
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("%s failed this round: %s", mode.label, exc)
+    if requests is None:
+        raise RuntimeError("no Conveyor stack started: nothing to give the peers")
     for name in peers:
         print(f"--- {name}: {len(requests)} requests", flush=True)
         try:

@@ -3,9 +3,12 @@
     python -m services.bench.quant_compare [--model DIR] [--num-prompts 64 --input-len 32
         --output-len 32] [--stages 1 --threads 2] [--window 256 --num-windows 12]
 
-Speed: for each weight format (`--dtype float32`, `bfloat16`, `bfloat16 --quantization
-int8`) it starts `conveyor up`, runs a warm-up, one request alone (its TPOT) and the burst
-(`--num-prompts` requests all at once), like `conveyor bench --compare`. Quality, in this
+Decode steps first: the worker's own `StageRunner.execute` of one decode step, for 1 and
+`--num-prompts` requests, in fp32, bf16 and int8 taking turns round by round in this
+process (`--decode-only` stops there). Then, for each weight format (`--dtype float32`,
+`bfloat16`, `bfloat16 --quantization int8`) it starts `conveyor up`, runs a warm-up, one
+request alone (its TPOT) and the burst (`--num-prompts` requests all at once), like
+`conveyor bench --compare`. Quality, in this
 process with the stacks stopped: perplexity on pydoc_data.topics (`conveyor eval ppl`) in
 fp32, bf16, int8 and fp8, and greedy agreement of int8 and fp8 with the unquantized model
 (`conveyor eval greedy`). Prints one table of ratios and writes quant.json.

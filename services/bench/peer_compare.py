@@ -81,10 +81,17 @@ def _workload_of(requests: list[BenchRequest]) -> Workload:
 
 def _one_round(args, peers, venvs, model_dir, workload, options, round_dir, requests):
     results: dict[str, dict] = {}
+    # a loaded shared machine can take minutes to start a stack (or build its C++ kernel)
+    extra = ["--dtype", args.dtype, "--startup-timeout", "900"]
     for mode in MODES:
-        results[mode.key], requests = _run_mode(
-            model_dir, mode, workload, options, round_dir, requests, ["--dtype", args.dtype]
-        )
+        try:
+            results[mode.key], requests = _run_mode(
+                model_dir, mode, workload, options, round_dir, requests, extra
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("%s failed this round: %s", mode.label, exc)
+    if requests is None:
+        raise RuntimeError("no Conveyor stack started: nothing to give the peers")
     for name in peers:
         print(f"--- {name}: {len(requests)} requests", flush=True)
         try:
@@ -152,9 +159,10 @@ def run_peer_compare(args: argparse.Namespace, workload: Workload, options: Driv
             args, peers, venvs, model_dir, workload, options, round_dir, requests
         )
         rounds.append(results)
-    report, text = _report(args, workload, model_dir, (limits, limits_cpu), rounds)
-    out = results_dir / "peers.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+        # after every round, so that a late failure keeps the rounds done
+        report, text = _report(args, workload, model_dir, (limits, limits_cpu), rounds)
+        out = results_dir / "peers.json"
+        out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{report['date']}, {report['machine']['cpu']}, {report['command']}\n", flush=True)
     print(text, flush=True)
     print(f"\nwrote {out} and each round's logs under {results_dir}/round-N/", flush=True)

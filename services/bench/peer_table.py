@@ -57,7 +57,9 @@ TARGETS = (
 
 def medians(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Per system: the median of each metric over the rounds it ran in, the throughput's
-    range, and the most CPU other processes used in any of its rounds."""
+    range, its throughput per core it used (on a shared machine, each system gets the share
+    of the cores that the others leave), and the most CPU other processes used in any of
+    its rounds."""
     systems = list(dict.fromkeys(key for results in rounds for key in results))
     out: dict[str, dict] = {}
     for key in systems:
@@ -67,6 +69,13 @@ def medians(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             values = [r[metric] for r in runs if r.get(metric) is not None]
             if values:
                 row[metric] = statistics.median(values)
+        per_core = [
+            r["output_throughput"] / r["cpu"]["ours_cores"]
+            for r in runs
+            if r.get("cpu", {}).get("ours_cores")
+        ]
+        if per_core:
+            row["throughput_per_core"] = statistics.median(per_core)
         tputs = [r["output_throughput"] for r in runs]
         row["output_throughput_range"] = [min(tputs), max(tputs)]
         others = [r.get("cpu", {}).get("other_cores") for r in runs]
@@ -133,6 +142,7 @@ def peers_table(
         "1-req ms/tok",
         "GF/s (of peak)",
         "1-req floor/ms",
+        "tok/s per core used",
         "others' cores",
     ]
     rows = []
@@ -151,6 +161,7 @@ def peers_table(
                 _cell(row.get("single_request_tpot_ms"), "{:.1f}"),
                 f"{share['gflops']:.0f} ({share['peak_share']:.0%})",
                 _cell(share.get("bandwidth_share"), "{:.0%}"),
+                _cell(row.get("throughput_per_core"), "{:.0f}"),
                 _cell(row.get("other_cores_max"), "{}"),
             ]
         )
@@ -170,6 +181,8 @@ def limits_note(work: WorkModel, workload: Workload, limits: MachineLimits) -> s
         f"per token: at least {floor:.1f} ms/token.\n"
         "GF/s (of peak): the workload's FLOPs over the run's time; 1-req floor/ms: that "
         "bandwidth floor over the measured single-request ms/token (100% = at the bound); "
+        "tok/s per core used: the throughput over the cores the system's processes (and its "
+        "bench client) used during the run; "
         "others' cores: the most CPU other processes used during the row's runs (ratios "
         "between rows measured under different outside load are noise)."
     )

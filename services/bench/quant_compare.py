@@ -3,9 +3,12 @@
     python -m services.bench.quant_compare [--model DIR] [--num-prompts 64 --input-len 32
         --output-len 32] [--stages 1 --threads 2] [--window 256 --num-windows 12]
 
-Speed: for each weight format (`--dtype float32`, `bfloat16`, `bfloat16 --quantization
-int8`) it starts `conveyor up`, runs a warm-up, one request alone (its TPOT) and the burst
-(`--num-prompts` requests all at once), like `conveyor bench --compare`. Quality, in this
+Decode steps first: the worker's own `StageRunner.execute` of one decode step, for 1 and
+`--num-prompts` requests, in fp32, bf16 and int8 taking turns round by round in this
+process (`--decode-only` stops there). Then, for each weight format (`--dtype float32`,
+`bfloat16`, `bfloat16 --quantization int8`) it starts `conveyor up`, runs a warm-up, one
+request alone (its TPOT) and the burst (`--num-prompts` requests all at once), like
+`conveyor bench --compare`. Quality, in this
 process with the stacks stopped: perplexity on pydoc_data.topics (`conveyor eval ppl`) in
 fp32, bf16, int8 and fp8, and greedy agreement of int8 and fp8 with the unquantized model
 (`conveyor eval greedy`). Prints one table of ratios and writes quant.json.
@@ -51,6 +54,56 @@ def run_speed(args, results_dir: Path) -> dict[str, dict]:
             results[key] = asyncio.run(_bench_mode(stack, requests, options, workload.seed))
         finally:
             stack.stop()
+    return results
+
+
+def run_decode(args, num_rounds: int = 5, num_steps: int = 4) -> dict[str, dict]:
+    """Median decode-step time of the worker's forward + sampling (`StageRunner.execute`),
+    for 1 and `--num-prompts` requests at context ~`--input-len`. The formats take turns,
+    round by round, so that the outside load drifts over all of them alike."""
+    import statistics
+    import time
+
+    from services.common.sampling import SamplingParams
+    from services.common.step import CachedRequest, NewRequest, StepPlan
+    from services.eval.cli import _runner
+
+    ns = argparse.Namespace(model=args.model, device="cpu", threads=args.threads)
+    max_len = args.input_len + num_rounds * num_steps + 1
+    runners = {key: _runner(ns, *QUALITY[key], max_len) for key in SPEED}
+    results: dict[str, dict] = {key: {} for key in SPEED}
+    for batch in (1, args.num_prompts):
+        ids = [f"r{i}" for i in range(batch)]
+        for runner in runners.values():  # prefill each request, not timed
+            blocks = -(-max_len // runner.kv_cache.block_size)
+            new = [
+                NewRequest(
+                    rid,
+                    [100 + i] * args.input_len,
+                    args.input_len,
+                    SamplingParams(max_tokens=max_len, temperature=0.0),
+                    list(range(i * blocks, (i + 1) * blocks)),
+                    0,
+                    args.input_len,
+                )
+                for i, rid in enumerate(ids)
+            ]
+            runner.execute(StepPlan(0, new_requests=new))
+        times: dict[str, list[float]] = {key: [] for key in runners}
+        for _ in range(num_rounds):
+            for key, runner in runners.items():
+                for _ in range(num_steps):
+                    start = time.perf_counter()
+                    runner.execute(StepPlan(1, cached_requests=[CachedRequest(r, 1) for r in ids]))
+                    times[key].append(time.perf_counter() - start)
+        for key, runner in runners.items():
+            runner.execute(StepPlan(2, finished_request_ids=ids))
+            results[key][f"decode_ms_batch{batch}"] = statistics.median(times[key]) * 1e3
+            print(
+                f"--- {key}: decode step, {batch} requests: "
+                f"{results[key][f'decode_ms_batch{batch}']:.1f} ms",
+                flush=True,
+            )
     return results
 
 
@@ -119,14 +172,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--num-windows", type=int, default=12)
     parser.add_argument("--results-dir", default="bench/results/quant")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only the in-process decode-step timing"
+    )
     args = parser.parse_args(argv)
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    decode = run_decode(args)
+    print(decode_table(decode))
+    if args.decode_only:
+        return 0
     speed = run_speed(args, results_dir)
     quality = run_quality(args)
-    (results_dir / "quant.json").write_text(json.dumps({"speed": speed, "quality": quality}))
+    results = {"speed": speed, "quality": quality, "decode": decode}
+    (results_dir / "quant.json").write_text(json.dumps(results))
     print(table(speed, quality))
+    print(decode_table(decode))
     return 0
+
+
+def decode_table(decode: dict[str, dict]) -> str:
+    keys = list(decode["int8"])
+    rows = ["decode step ms (median)  " + "  ".join(f"{k:>18}" for k in keys)]
+    for fmt, values in decode.items():
+        rows.append(f"{fmt:23}  " + "  ".join(f"{values[k]:18.1f}" for k in keys))
+    for ref in ("bf16", "fp32"):
+        ratios = "  ".join(f"{decode['int8'][k] / decode[ref][k]:18.2f}" for k in keys)
+        rows.append(f"{'int8 / ' + ref:23}  {ratios}")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ from pathlib import Path
 from services.common.errors import InvalidRequest, PipelineUnavailable
 from services.common.weight_transfer import join_group, receive_state_dict
 from services.worker.engine import StageEngine
-from services.worker.model.loader import SafetensorsReader
-from services.worker.model.quant import Fp8CheckpointReader, checkpoint_quantization
+from services.worker.model.quant import checkpoint_reader
 from services.worker.weights import (
     StagedWeights,
     TensorReader,
@@ -75,9 +74,7 @@ class WeightUpdates:
             raise InvalidRequest(f"{path} is not a directory on stage {self.engine.stage}'s host")
         model = self.model
         selection = select_layers(model, layer_ids)
-        # ModelLoadError now when the directory has none; FP8 checkpoints as the loader reads them
-        is_fp8 = checkpoint_quantization(path) == "fp8"
-        reader = Fp8CheckpointReader(path) if is_fp8 else SafetensorsReader(path)
+        reader = checkpoint_reader(path)  # ModelLoadError now when the directory has none
         return lambda: self._stage(lambda: stage_weights(model, reader, selection, version))
 
     def plan_received(self, version: int) -> Callable[[], int]:

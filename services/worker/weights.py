@@ -26,7 +26,7 @@ from services.common.errors import InvalidRequest, ModelLoadError
 from services.worker.model.llama import DecoderLayer, StageModel
 from services.worker.model.loader import _fill_layer, _param
 from services.worker.model.packed_linear import PackedLinear, pack_linears
-from services.worker.model.quant import quantize_linears
+from services.worker.model.quant import quantize_like
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,7 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             with torch.device("meta"):
                 layer = DecoderLayer(config, live.self_attn.attention_fn, model.tp)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
-            if model.quantization is not None and model.quantization.method is not None:
-                quantize_linears(layer, model.quantization.method)
+            quantize_like(model, layer, dtype)
             if isinstance(live.self_attn.qkv_proj, PackedLinear):
                 pack_linears(layer)
             staged.layers[local] = layer.to(device).eval()

@@ -181,11 +181,11 @@ def test_vllm_gets_the_shape_of_conveyors_requests():
     assert _workload_of(requests) == WORKLOAD
 
 
-def _row(tput, ttft=None, single=None, other=0.0):
+def _row(tput, ttft=None, single=None, other=0.0, ours=2.0):
     row = {
         "output_throughput": tput,
         "request_throughput": tput / 128,
-        "cpu": {"other_cores": other},
+        "cpu": {"other_cores": other, "ours_cores": ours},
     }
     if ttft is not None:
         row["mean_ttft_ms"], row["mean_tpot_ms"] = ttft, 100.0
@@ -205,7 +205,7 @@ ROUNDS = [
         "async-2stage": _row(410.0, 4000.0, 25.0, other=0.3),
         "async-1stage": _row(340.0, 4000.0, 24.0),
         "vllm": _row(520.0, 2900.0, 21.0),
-        "openvino": _row(580.0, single=12.2),
+        "openvino": _row(580.0, single=12.2, ours=1.0),
     },
 ]
 
@@ -218,6 +218,7 @@ def test_medians_over_rounds_with_the_range_and_the_worst_outside_load():
     assert table["async-2stage"]["other_cores_max"] == 0.3
     assert table["openvino"]["single_request_tpot_ms"] == pytest.approx(12.1)
     assert "mean_ttft_ms" not in table["openvino"]
+    assert table["openvino"]["throughput_per_core"] == (300.0 + 580.0) / 2
 
 
 def test_target_ratios_against_the_peers():

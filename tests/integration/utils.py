@@ -121,9 +121,9 @@ class ProcessStack:
         self.scheduler = _spawn(argv)
         deadline = time.monotonic() + timeout_s
         while True:
-            for stage, proc in enumerate(self.workers):
+            for index, proc in enumerate(self.workers):
                 if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"worker {stage} exited with {proc.returncode}")
+                    raise RuntimeError(f"worker {index} exited with {proc.returncode}")
             try:
                 wait_serving(self.address, 2.0, self.scheduler, security=self.security)
                 return

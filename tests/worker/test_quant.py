@@ -190,3 +190,23 @@ def test_metrics_say_what_is_quantized(tmp_path):
     text = generate_latest(registry).decode()
     assert 'conveyor:stage_quantized_linears{quantization="int8",stage="0"} 8.0' in text
     assert f"{model.quantization.weight_bytes}" in text.replace(".0\n", "\n")
+
+
+def test_fp8_checkpoint_tensor_parallel_shard_reads_its_channels(tmp_path):
+    source = make_tiny_model(tmp_path / "src", num_kv_heads=2, num_layers=1)
+    model_dir = make_fp8_checkpoint(source, tmp_path / "fp8")
+    whole = load_quantized_stage(model_dir, stage_spec(1, 1, 0), "float32", None)
+    shard = load_quantized_stage(
+        model_dir, stage_spec(1, 1, 0), "float32", None, tp_rank=1, tensor_parallel_size=2
+    )
+
+    def qkv(model):
+        proj = model.layers[0].self_attn.qkv_proj
+        return dequantize(proj.qweight, proj.scale, torch.float32)
+
+    head_dim, spec = whole.config.head_dim, shard.tp.shard
+    q, k, v = qkv(whole).split([4 * head_dim, 2 * head_dim, 2 * head_dim])
+    q_rows = slice(spec.q_heads[0] * head_dim, spec.q_heads[1] * head_dim)
+    kv_rows = slice(spec.kv_heads[0] * head_dim, spec.kv_heads[1] * head_dim)
+    # Whole output channels with their own per-channel scales: the same fp8 values.
+    torch.testing.assert_close(qkv(shard), torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]))

@@ -88,6 +88,31 @@ def test_stage_weights_refuses_bad_layers_and_incomplete_layers(tmp_path):
         stage_weights(model, TensorReader(sent), select_received(model, set(sent)), 1)
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_weight_update_of_a_quantized_stage_stays_quantized(tmp_path, method):
+    from services.worker.model.quant import QuantLinear
+    from tests.worker.test_quant import _relative_error
+
+    old = make_tiny_model(tmp_path / "old", seed=0)
+    new = make_tiny_model(tmp_path / "new", seed=1)
+    runners = make_runners(old, 2, quantization=method)
+    for runner in runners:
+        model = runner.model
+        commit(model, stage_weights(model, SafetensorsReader(new), select_layers(model, []), 1))
+        assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+        assert model.quantization.method == method
+    fresh = make_runners(new, 2, quantization=method)
+    prompts = make_prompts(3, seed=3)
+    assert _greedy(runners, prompts) == _greedy(fresh, prompts)  # as if loaded quantized
+    assert (
+        _relative_error(
+            runners[0].model.layers[0].mlp.down_proj.scale,
+            fresh[0].model.layers[0].mlp.down_proj.scale,
+        )
+        == 0
+    )
+
+
 def _tensors(model) -> dict[str, torch.Tensor]:
     named = [*model.named_parameters(), *model.named_buffers()]
     return {name: t for name, t in named if t is not None and name != "rotary.cos_cache"}

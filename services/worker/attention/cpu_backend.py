@@ -15,6 +15,8 @@ take the torch reference.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -31,9 +33,23 @@ from services.worker.attention import torch_backend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-STALE_LOCK_S = 600
-"""A build lock older than this was left by a process killed mid-build (torch would wait on
-it forever): it is removed."""
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """Held while `name` is built or loaded. An flock dies with its process, so a build
+    killed half-way never blocks the next one; torch's own `lock` file does not (torch waits
+    on it forever), and under this flock one left there is stale by definition: removed."""
+    with open(path / ".conveyor-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = path / "lock"
+            if stale.exists():
+                logger.warning("removing a build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_directory(name: str) -> Path:
@@ -41,13 +57,6 @@ def build_directory(name: str) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     path = Path(root) / f"conveyor-torch{torch.__version__}" / name
     path.mkdir(parents=True, exist_ok=True)
-    lock = path / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logger.warning("removing a stale build lock %s", lock)
-            lock.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
     return path
 
 
@@ -70,14 +79,16 @@ def load_kernels():
     flags = ["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags]
     name = f"conveyor_cpu_attention_{arch}"
     start = time.monotonic()
+    directory = build_directory(name)
     try:
-        module = load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            build_directory=str(build_directory(name)),
-            verbose=False,
-        )
+        with build_lock(directory):
+            module = load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # compiler, headers or ninja missing: say what to do
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         raise ConfigError(

@@ -170,12 +170,28 @@ def load_quantized_stage(
     """`load_stage_model`, then quantize the layers: `quantization`, else the checkpoint's
     own (an FP8 checkpoint is read through `Fp8CheckpointReader` either way)."""
     checkpoint = checkpoint_quantization(model_dir)
-    reader = Fp8CheckpointReader(model_dir) if checkpoint == "fp8" else None
-    model = load_stage_model(model_dir, stage, dtype, reader=reader, **kwargs)
+    model = load_stage_model(model_dir, stage, dtype, reader=checkpoint_reader(model_dir), **kwargs)
     method = quantization or checkpoint
     if method is not None:
         quantize_stage(model, method)
     return model
+
+
+def checkpoint_reader(model_dir: str | Path) -> SafetensorsReader:
+    """The reader of a model directory: `Fp8CheckpointReader` for an FP8 checkpoint."""
+    if checkpoint_quantization(model_dir) == "fp8":
+        return Fp8CheckpointReader(model_dir)
+    return SafetensorsReader(model_dir)
+
+
+def quantize_like(model: nn.Module, layer: nn.Module, dtype: torch.dtype) -> None:
+    """Store a freshly filled decoder `layer` as `model`'s live layers are (weight updates):
+    quantized with the model's method, else in `dtype` (an FP8 checkpoint's linears read
+    as float32)."""
+    if model.quantization is not None:
+        quantize_linears(layer, model.quantization.method)
+    else:
+        layer.to(dtype)
 
 
 # ---------------------------------------------------------------- FP8 checkpoints
@@ -207,25 +223,36 @@ class Fp8CheckpointReader(SafetensorsReader):
     """A reader that turns `<name>.weight` stored in FP8 (+ `<name>.weight_scale`) into the
     float32 weight q * weight_scale; every other tensor reads as usual."""
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         scale_name = name + "_scale"
         if not (name.endswith(".weight") and self.has(scale_name)):
-            return super().get(name, shape, dtype)
-        q = super().get(name, shape, torch.float32)  # float8 -> float32 is exact
-        scale = super().get(scale_name, self._stored_shape(scale_name), torch.float32)
+            return super().get(name, shape, dtype, rows, cols)
+        q = super().get(name, shape, torch.float32, rows, cols)  # fp8 -> fp32 is exact
+        scale = self._read_scale(scale_name)
         if scale.numel() not in (1, shape[0]):
             raise ModelLoadError(
                 f"{self.model_dir}: {scale_name} has {scale.numel()} values; expected 1 (per "
                 f"tensor) or {shape[0]} (per output channel)"
             )
-        weight = q * scale.reshape(-1, 1)  # exact in float32: 4-bit mantissas times a scale
+        if scale.numel() > 1 and rows is not None:  # a tensor-parallel shard's channels
+            scale = scale[rows[0] : rows[1]]
+        weight = q * scale[:, None]  # exact in float32: 4-bit mantissas times a scale
         # Decoder linears are quantized per channel next; anything else (an FP8 lm_head)
         # stays in the compute dtype like an unquantized checkpoint's.
         return weight if ".layers." in name else weight.to(dtype)
 
-    def _stored_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of a scale as stored ([], [1], [N] or [N, 1]), read from its header."""
+    def _read_scale(self, name: str) -> torch.Tensor:
+        """A scale as a flat float32 tensor, whatever its stored shape ([], [1], [N], [N, 1]:
+        a 0-dim tensor cannot be sliced, so it is read whole)."""
         path = self._file_of[name]
         if path not in self._handles:
             self._handles[path] = self._open(path).__enter__()
-        return tuple(self._handles[path].get_slice(name).get_shape())
+        self.names_read.append(name)
+        return self._handles[path].get_tensor(name).float().reshape(-1)

@@ -56,7 +56,10 @@ class SimStageModel:
 
     def __init__(self, config: ModelConfig, stage: StageSpec) -> None:
         self.config, self.stage = config, stage
+        self.quantization = None
+        """No weights, so nothing quantized (Describe reads it)."""
         self._wire = torch.empty(0, dtype=WIRE_DTYPE)
+        self.quantization = None  # no weights, none quantized (Describe and metrics read it)
 
     def parameters(self):
         return iter([self._wire])

@@ -26,7 +26,9 @@ NUM_NEW_UNDER_LOAD = 40
 @pytest.fixture(scope="module", params=[(1, 2), (2, 2)], ids=["P1xT2", "P2xT2"])
 def tp_stack(request, smollm2_dir):
     stages, tp_size = request.param
-    stack = ProcessStack(smollm2_dir, stages, "async", tensor_parallel_size=tp_size).start()
+    # Up to four workers load at once: on a shared 2-core machine that can take minutes.
+    stack = ProcessStack(smollm2_dir, stages, "async", tensor_parallel_size=tp_size)
+    stack.start(timeout_s=600)
     yield stack
     stack.stop()
 
@@ -35,7 +37,7 @@ def _restart_scheduler(stack: ProcessStack, scheduling: str) -> None:
     """The same workers under a scheduler of the other mode (they re-form the session)."""
     stack.kill_scheduler()
     stack.scheduling = scheduling
-    stack.start_scheduler()
+    stack.start_scheduler(timeout_s=600)
 
 
 def _assert_greedy(outcomes: list[Outcome], reference, num_new: int) -> None:
@@ -69,13 +71,13 @@ def reference_under_load(smollm2_dir, smollm2_prompts):
     return prompts, hf_greedy_reference(smollm2_dir, prompts, NUM_NEW_UNDER_LOAD)
 
 
-def test_tp_rank_killed_under_load_is_recovered(tp_stack, reference_under_load):
+def test_tp_rank_killed_under_load_is_recovered(tp_stack, request):
     """The last worker (the last stage's tp rank 1) dies mid-run, its peer in the middle of an
     all-reduce and stage 0 of a send: the pipeline says NOT_SERVING, and once the rank is back
     every request completes with the reference tokens."""
     if tp_stack.stages == 1:
         pytest.skip("at P = 2 only, to keep the suite short (the peer's all-reduce fails alike)")
-    prompts, reference = reference_under_load
+    prompts, reference = request.getfixturevalue("reference_under_load")  # after the skip
     outcomes: dict[int, Outcome] = {}
 
     def run(i):

@@ -105,3 +105,13 @@ def test_build_lock_removes_the_lock_a_killed_build_left_and_excludes_others(tmp
             pytest.raises(BlockingIOError),
         ):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_kernel_builds_from_a_copy_in_its_build_directory(tmp_path):
+    """Two checkouts of the same source share one build: ninja sees one path, not two."""
+    copy = cpu_backend._source_in(tmp_path)
+    assert copy.parent == tmp_path and copy.read_bytes() == cpu_backend.SOURCE.read_bytes()
+    mtime = copy.stat().st_mtime_ns
+    assert cpu_backend._source_in(tmp_path).stat().st_mtime_ns == mtime  # unchanged: no rebuild
+    copy.write_text("// another version\n")
+    assert cpu_backend._source_in(tmp_path).read_bytes() == cpu_backend.SOURCE.read_bytes()

@@ -197,8 +197,10 @@ def test_http_errors_in_openai_shape(fake, client, http_router):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="unsupported parameter.*logit_bias"):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"1": 5})
-    with pytest.raises(openai.BadRequestError, match="min_tokens"):
-        client.completions.create(model=MODEL, prompt="x", extra_body={"min_tokens": 3})
+    with pytest.raises(openai.BadRequestError, match=r"min_tokens=3 .* max_tokens=2"):
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}
+        )
     with pytest.raises(openai.BadRequestError, match="temperature=200.0 is out of range"):
         client.completions.create(model=MODEL, prompt="x", temperature=200)
     with pytest.raises(openai.BadRequestError, match="max_tokens") as info:

@@ -84,12 +84,18 @@ def test_http_completion_passes_sampling_fields(fake, client):
         seed=7,
         presence_penalty=0.5,
         frequency_penalty=0.25,
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True},
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+            "min_tokens": 2,
+        },
     )
     sent = fake.submits[-1]
     assert list(sent.prompt_token_ids) == [1, 2, 3]
     s = sent.sampling
-    assert (s.max_tokens, s.top_k, s.seed, s.ignore_eos) == (4, 5, 7, True)
+    assert (s.max_tokens, s.top_k, s.seed, s.ignore_eos, s.min_tokens) == (4, 5, 7, True, 2)
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9)
     assert s.min_p == pytest.approx(0.1) and s.repetition_penalty == pytest.approx(1.2)
     assert s.presence_penalty == pytest.approx(0.5)

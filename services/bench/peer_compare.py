@@ -2,7 +2,8 @@
 the CPU engines a user would pick instead, on one workload, alternating in one run.
 
     build each peer's venv (first use only) -> measure the machine's limits ->
-    rounds x [2 stages sync, 2 stages async, 1 stage, vLLM, OpenVINO] -> medians, one table
+    rounds x [2 stages sync, 2 stages async, 1 stage, vLLM, OpenVINO,
+              Conveyor via vllm bench serve (peers/conveyor_http.py)] -> medians, one table
 
 Conveyor's modes run as `--compare` runs them (`compare._run_mode`); the peers as
 `peers/vllm.py` and `peers/openvino.py` describe. Every round writes under

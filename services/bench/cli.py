@@ -143,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peers",
         default=None,
         help="compare with these CPU engines instead of transformers: vllm,openvino (each "
-        "built in its own virtualenv under --peers-dir on first use)",
+        "built in its own virtualenv under --peers-dir on first use); conveyor-vllm-bench "
+        "adds Conveyor's HTTP endpoint measured by `vllm bench serve`",
     )
     compare.add_argument(
         "--rounds",

@@ -2,7 +2,8 @@
 the CPU engines a user would pick instead, on one workload, alternating in one run.
 
     build each peer's venv (first use only) -> measure the machine's limits ->
-    rounds x [2 stages sync, 2 stages async, 1 stage, vLLM, OpenVINO] -> medians, one table
+    rounds x [2 stages sync, 2 stages async, 1 stage, vLLM, OpenVINO,
+              Conveyor via vllm bench serve (peers/conveyor_http.py)] -> medians, one table
 
 Conveyor's modes run as `--compare` runs them (`compare._run_mode`); the peers as
 `peers/vllm.py` and `peers/openvino.py` describe. Every round writes under
@@ -27,13 +28,14 @@ from services.bench.datasets import BenchRequest
 from services.bench.driver import DriverOptions
 from services.bench.limits import WorkModel, measure_limits
 from services.bench.peer_table import limits_note, medians, peers_table, ratios_table, target_ratios
-from services.bench.peers import openvino, vllm
+from services.bench.peers import conveyor_http, openvino, vllm
 from services.bench.peers.venv import PeerVenv, peers_dir
 from services.bench.run import Workload
 
 logger = logging.getLogger(__name__)
 
-SPECS = {"vllm": vllm.SPEC, "openvino": openvino.SPEC}
+SPECS = {"vllm": vllm.SPEC, "openvino": openvino.SPEC, conveyor_http.KEY: vllm.SPEC}
+"""Each peer's venv; Conveyor measured by `vllm bench serve` runs that client from vLLM's."""
 KV_CACHE_GIB = 1  # as Conveyor's stacks here (`--kv-cache-memory 1GiB`)
 
 
@@ -63,8 +65,11 @@ def _run_peer(
     name: str, venv: PeerVenv, model_dir: Path, dtype: str, requests, round_dir: Path
 ) -> dict:
     cores = os.cpu_count() or 1
-    if name == "vllm":
+    if name in ("vllm", conveyor_http.KEY):
         run = vllm.VllmRun(venv, model_dir, dtype, f"0-{cores - 1}", KV_CACHE_GIB, round_dir)
+        if name == conveyor_http.KEY:
+            stack_args = ["--dtype", dtype, "--startup-timeout", "900"]
+            return conveyor_http.run_conveyor_http(run, _workload_of(requests), stack_args)
         return vllm.run_vllm(run, _workload_of(requests))
     run = openvino.OpenVinoRun(venv, model_dir, dtype, cores, KV_CACHE_GIB, round_dir)
     return openvino.run_openvino(run, requests)
@@ -143,8 +148,9 @@ def run_peer_compare(args: argparse.Namespace, workload: Workload, options: Driv
     results_dir = Path(args.results_dir)
     base = Path(args.peers_dir) if args.peers_dir else peers_dir()
     venvs = {name: PeerVenv.for_spec(SPECS[name], base).ensure() for name in peers}
-    if "vllm" in venvs:
-        vllm.fix_distribution(venvs["vllm"])
+    for name, venv in venvs.items():
+        if SPECS[name] is vllm.SPEC:
+            vllm.fix_distribution(venv)
     print(f"--- measuring this machine's limits ({args.dtype})", flush=True)
     meter = CpuMeter([os.getpid()])
     meter.start()

@@ -14,6 +14,7 @@ LABELS = {
     "async-2stage": "Conveyor 2 stages async",
     "async-1stage": "Conveyor 1 stage (2 threads)",
     "vllm": "vLLM CPU, vllm serve",
+    "conveyor-vllm-bench": "Conveyor via vllm bench serve",
     "openvino": "OpenVINO GenAI, in-process",
 }
 MEDIAN_KEYS = (

@@ -21,6 +21,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
     )
@@ -60,6 +61,7 @@ def sampling_from_pb(
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens or default_max_tokens or 0,
+        min_tokens=msg.min_tokens,
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,

@@ -13,7 +13,7 @@ GREEDY_BELOW = 1e-5
 tinier one overflows float32."""
 MAX_TOP_K = 2**31 - 1  # int32 on the wire
 MAX_SEED = 2**64 - 1  # uint64 on the wire
-MAX_UINT32 = 2**32 - 1  # max_tokens, stop_token_ids and logprobs are uint32 on the wire
+MAX_UINT32 = 2**32 - 1  # max_tokens, min_tokens, stop_token_ids, logprobs: uint32 on the wire
 FLOAT_MIN = sys.float_info.min
 """Smallest normal double (2.2e-308): a smaller magnitude but 0 (a subnormal) is refused.
 What is normal as a double but tiny in float32 (the workers' logits) is harmless within
@@ -58,6 +58,9 @@ class SamplingParams:
     Range [0, 2^64 - 1]."""
     max_tokens: int = 16
     """How many tokens to generate at most. Range [1, 2^32 - 1]."""
+    min_tokens: int = 0
+    """How many tokens to generate at least: until then EOS and stop_token_ids are masked
+    out of sampling (vLLM's meaning), so they cannot end the request. Range [0, max_tokens]."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that finish the request (the token itself is kept in the output). Their
     number and range against the model are checked by services/common/limits.py."""
@@ -89,6 +92,11 @@ class SamplingParams:
             raise InvalidRequest(
                 f"max_tokens={self.max_tokens} is out of range: must be in [1, {MAX_UINT32}]"
             )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens={self.min_tokens} is out of range: must be in [0, max_tokens="
+                f"{self.max_tokens}]"
+            )
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidRequest(f"seed={self.seed} is out of range: must be in [0, {MAX_SEED}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_UINT32:
@@ -103,6 +111,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def masked_token_ids(self, num_output_tokens: int, eos_token_id: int | None) -> list[int]:
+        """Token ids that may not be sampled as output token `num_output_tokens` (0-based):
+        before min_tokens, those that would end the request (EOS unless ignored, and
+        stop_token_ids); none after."""
+        if num_output_tokens >= self.min_tokens:
+            return []
+        eos = [] if eos_token_id is None or self.ignore_eos else [eos_token_id]
+        return [*eos, *self.stop_token_ids]
 
     @property
     def has_penalties(self) -> bool:

@@ -43,7 +43,7 @@ _FLOAT_KEYS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
+_INT_KEYS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 _BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output")
 SAMPLING_KEYS = (*_FLOAT_KEYS, *_INT_KEYS, *_BOOL_KEYS, "stop", "stop_token_ids", "n")
 INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")

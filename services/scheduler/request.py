@@ -176,7 +176,9 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished state the last output token puts this request in, or None."""
-        if self.output_token_ids:
+        # Before min_tokens the worker's sampler masks EOS and stop_token_ids out; checking
+        # here as well keeps any worker (the simulated one) from ending the request early.
+        if self.output_token_ids and self.num_output_tokens >= self.sampling.min_tokens:
             last = self.output_token_ids[-1]
             params = self.sampling
             if last == self.eos_token_id and not params.ignore_eos:

@@ -40,6 +40,12 @@ def validate_submission(
             f"request {request_id}: prompt of {len(prompt_token_ids)} tokens leaves no room "
             f"to generate under max_model_len={config.max_model_len}"
         )
+    if len(prompt_token_ids) + sampling.min_tokens > config.max_model_len:
+        # The context would end the request first: refuse what cannot be honoured.
+        raise InvalidRequest(
+            f"request {request_id}: min_tokens={sampling.min_tokens} after a prompt of "
+            f"{len(prompt_token_ids)} tokens exceeds max_model_len={config.max_model_len}"
+        )
     check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     # SamplingParams checked its own ranges when it was built; these depend on the model
     # and on the flags.

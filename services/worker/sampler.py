@@ -2,9 +2,13 @@
 
 Order (as vLLM):
 
-    raw logits ──▶ penalties ──┬──▶ greedy rows: argmax
-                               └──▶ random rows: / temperature ─▶ min_p ─▶ top_k ─▶ top_p
-                                    ─▶ softmax ─▶ argmax(probs / q),  q ~ Exp(1) per token
+    raw logits ──▶ min_tokens mask ──▶ penalties ──┬──▶ greedy rows: argmax
+                                                   └──▶ random rows: / temperature ─▶ ...
+
+    ... ─▶ min_p ─▶ top_k ─▶ top_p ─▶ softmax ─▶ argmax(probs / q),  q ~ Exp(1) per token
+
+The min_tokens mask sets EOS and stop_token_ids to -inf in the rows still under min_tokens
+(vLLM's MinTokensLogitsProcessor); rows without min_tokens are left untouched.
 
 Sampling with exponential noise is the Gumbel-max trick: argmax(p_i / q_i) is distributed as
 p. A seeded request draws q from a generator seeded with (seed, k), k = the number of output
@@ -46,6 +50,8 @@ class SamplingBatch:
     prompt_tokens: torch.Tensor  # [P] int64
     output_rows: torch.Tensor  # [O] int64: row of each output token (penalised rows only)
     output_tokens: torch.Tensor  # [O] int64
+    masked_rows: torch.Tensor  # [M] int64: row of each token masked out (before min_tokens)
+    masked_tokens: torch.Tensor  # [M] int64: EOS and stop_token_ids of rows under min_tokens
     seeds: list[int | None]
     """Per-request seed; None draws from the sampler's global generator."""
     num_output_tokens: list[int]
@@ -76,6 +82,7 @@ class SamplingBatch:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         device: torch.device | str = "cpu",
+        eos_token_id: int | None = None,
     ) -> SamplingBatch:
         """Build the batch; row i of the logits belongs to params[i].
 
@@ -85,6 +92,8 @@ class SamplingBatch:
             output_token_ids: each request's tokens generated so far (penalties and the
                 seeded generator's position k).
             device: where the logits live.
+            eos_token_id: the EOS id that finishes requests (the scheduler's), masked out
+                with stop_token_ids until a request has min_tokens output tokens.
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError(
@@ -100,6 +109,11 @@ class SamplingBatch:
         prompt_rows, prompt_tokens = _flatten(prompt_token_ids, penalised, device)
         output_rows, output_tokens = _flatten(output_token_ids, penalised, device)
         random = [p for p in params if not p.is_greedy]
+        masked = [
+            p.masked_token_ids(len(ids), eos_token_id)
+            for p, ids in zip(params, output_token_ids, strict=True)
+        ]
+        masked_rows, masked_tokens = _flatten(masked, range(len(masked)), device)
         return cls(
             temperatures=floats([1.0 if p.is_greedy else p.temperature for p in params]),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -113,6 +127,8 @@ class SamplingBatch:
             prompt_tokens=prompt_tokens,
             output_rows=output_rows,
             output_tokens=output_tokens,
+            masked_rows=masked_rows,
+            masked_tokens=masked_tokens,
             seeds=[p.seed for p in params],
             num_output_tokens=[len(ids) for ids in output_token_ids],
             num_logprobs=[p.logprobs for p in params],
@@ -161,6 +177,9 @@ class Sampler:
                 f"{batch.num_requests} requests: expected [{batch.num_requests}, V]"
             )
         processed = logits.float()
+        if batch.masked_rows.numel():
+            processed = processed.clone()  # `logits` stay raw for the logprobs
+            processed[batch.masked_rows, batch.masked_tokens] = float("-inf")
         if batch.any_penalties:
             processed = apply_penalties(processed, batch)  # [N, V], a new tensor
         if batch.all_greedy:
@@ -288,7 +307,7 @@ def mix_seed(seed: int, k: int) -> int:
 
 
 def _flatten(
-    token_ids: list[list[int]], rows: list[int], device: torch.device | str
+    token_ids: list[list[int]], rows: list[int] | range, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs of the listed rows, as two flat int64 tensors."""
     row_index = [i for i in rows for _ in token_ids[i]]

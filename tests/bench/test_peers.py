@@ -39,6 +39,7 @@ def test_peers_dir_defaults_to_the_user_cache_not_the_repo(monkeypatch, tmp_path
 
 def test_parse_peers_keeps_order_and_rejects_unknown_names():
     assert parse_peers("vllm, openvino,vllm") == ("vllm", "openvino")
+    assert parse_peers("vllm,conveyor-vllm-bench") == ("vllm", "conveyor-vllm-bench")
     with pytest.raises(ValueError, match="unknown sglang.*choose from vllm, openvino"):
         parse_peers("vllm,sglang")
     with pytest.raises(ValueError, match="none given"):
@@ -89,6 +90,17 @@ def test_vllm_serve_and_bench_command_lines(tmp_path):
     assert flags["--random-output-len"] == "128" and flags["--request-rate"] == "inf"
     assert "--ignore-eos" in bench and "--save-result" in bench
     assert flags["--result-dir"] == str(tmp_path) and flags["--result-filename"] == "out.json"
+    assert "--served-model-name" not in bench  # vLLM serves the model's path
+    # Conveyor's endpoint: the same client and dataset, requests naming its served model
+    conveyor = vllm.bench_argv(run, 8124, WORKLOAD, "c.json", served_model_name="smollm2")
+    conveyor_flags = dict(zip(conveyor[3::2], conveyor[4::2], strict=False))
+    assert conveyor_flags["--served-model-name"] == "smollm2"
+    assert conveyor_flags["--model"] == "/models/m"  # the tokenizer of the random dataset
+    assert {k: v for k, v in conveyor_flags.items() if k not in ("--served-model-name",)} == {
+        **flags,
+        "--base-url": "http://127.0.0.1:8124",
+        "--result-filename": "c.json",
+    }
 
 
 def test_vllm_env_preloads_tcmalloc_and_iomp_and_binds_the_threads(tmp_path):

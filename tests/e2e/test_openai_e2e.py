@@ -124,3 +124,28 @@ def test_e2e_openai_disconnect_frees_blocks(client, conveyor_stack, model):
         return not set(running) & set(stats.request_blocks) and stats.num_running == 0
 
     wait_until(freed, timeout_s=60, what="the disconnected request's blocks to be freed")
+
+
+def test_e2e_openai_min_tokens_holds_off_eos(client, model, conveyor_stack):
+    """A prompt whose greedy answer ends on EOS after 11 tokens gets min_tokens=16 tokens,
+    as transformers' own min_new_tokens (EOS masked out of sampling) gives them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt, greedy = "The end.", {"temperature": 0, "max_tokens": 24}
+    early = client.completions.create(model=model, prompt=prompt, **greedy)
+    assert early.choices[0].finish_reason == "stop"
+    assert early.usage.completion_tokens < 16
+    held = client.completions.create(
+        model=model, prompt=prompt, extra_body={"min_tokens": 16}, **greedy
+    )
+    assert held.usage.completion_tokens >= 16
+    assert held.choices[0].text.startswith(early.choices[0].text)
+    tokenizer = AutoTokenizer.from_pretrained(conveyor_stack.model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(conveyor_stack.model_dir, dtype=torch.float32)
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = hf.generate(input_ids, do_sample=False, min_new_tokens=16, max_new_tokens=24)
+    expected = out[0, input_ids.shape[1] :].tolist()
+    assert held.usage.completion_tokens == len(expected)
+    assert held.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)

@@ -39,6 +39,11 @@ def test_convert_defaults_are_openais():
     (turn,) = convert.chat_input(chat, max_tokens=5, max_choices=1)[0].chat
     assert (turn.role, turn.content) == ("system", "be brief")
     assert convert.chat_input(chat, 5, 1)[0].sampling.logprobs == 3
+    assert convert.chat_input(chat, 5, 1)[0].sampling.min_tokens == 0
+    (one,) = convert.completion_inputs(completion(min_tokens=4, max_tokens=8), max_choices=1)
+    assert one.sampling.min_tokens == 4
+    with pytest.raises(InvalidRequest, match=r"min_tokens=17 .* max_tokens=16"):
+        convert.completion_inputs(completion(min_tokens=17), max_choices=1)
 
 
 def test_convert_refuses_what_it_would_ignore():

@@ -84,12 +84,18 @@ def test_http_completion_passes_sampling_fields(fake, client):
         seed=7,
         presence_penalty=0.5,
         frequency_penalty=0.25,
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True},
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "ignore_eos": True,
+            "min_tokens": 2,
+        },
     )
     sent = fake.submits[-1]
     assert list(sent.prompt_token_ids) == [1, 2, 3]
     s = sent.sampling
-    assert (s.max_tokens, s.top_k, s.seed, s.ignore_eos) == (4, 5, 7, True)
+    assert (s.max_tokens, s.top_k, s.seed, s.ignore_eos, s.min_tokens) == (4, 5, 7, True, 2)
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9)
     assert s.min_p == pytest.approx(0.1) and s.repetition_penalty == pytest.approx(1.2)
     assert s.presence_penalty == pytest.approx(0.5)
@@ -197,8 +203,10 @@ def test_http_errors_in_openai_shape(fake, client, http_router):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="unsupported parameter.*logit_bias"):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"1": 5})
-    with pytest.raises(openai.BadRequestError, match="min_tokens"):
-        client.completions.create(model=MODEL, prompt="x", extra_body={"min_tokens": 3})
+    with pytest.raises(openai.BadRequestError, match=r"min_tokens=3 .* max_tokens=2"):
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}
+        )
     with pytest.raises(openai.BadRequestError, match="temperature=200.0 is out of range"):
         client.completions.create(model=MODEL, prompt="x", temperature=200)
     with pytest.raises(openai.BadRequestError, match="max_tokens") as info:

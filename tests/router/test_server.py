@@ -44,6 +44,7 @@ def test_router_passes_sampling_and_chat_to_scheduler(fake, client, tiny_tokeniz
         temperature=0.7,
         top_k=5,
         seed=3,
+        min_tokens=2,
         priority=2,
         tenant="t1",
     )
@@ -51,7 +52,8 @@ def test_router_passes_sampling_and_chat_to_scheduler(fake, client, tiny_tokeniz
     sent = fake.submits[-1]
     rendered = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert list(sent.prompt_token_ids) == tiny_tokenizer.encode(rendered, add_special_tokens=False)
-    assert (sent.sampling.max_tokens, sent.sampling.top_k, sent.sampling.seed) == (4, 5, 3)
+    sampling = sent.sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed, sampling.min_tokens) == (4, 5, 3, 2)
     assert abs(sent.sampling.temperature - 0.7) < 1e-9
     assert (sent.priority, sent.tenant) == (2, "t1")
 

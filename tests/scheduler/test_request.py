@@ -72,6 +72,15 @@ def test_request_stops_on_stop_token_ids_and_lengths():
     assert request.token_ids == [10, 11, 12, 13, 4]
 
 
+def test_request_does_not_stop_on_eos_or_stop_token_ids_before_min_tokens():
+    request = _running(SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=[5]))
+    for token in (2, 5):  # what a worker that does not mask them could send
+        request.append_output(token)
+        assert request.check_stop(100) is None
+    request.append_output(5)  # the third output token: min_tokens reached
+    assert request.check_stop(100) is S.FINISHED_STOPPED
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -30,6 +30,8 @@ from services.scheduler.validation import validate_submission
         ({"max_tokens": 2**32}, f"max_tokens={2**32} is out of range"),
         ({"stop_token_ids": [1, -2]}, "stop_token_ids[1]=-2 is out of range"),
         ({"stop_token_ids": [2**33]}, f"stop_token_ids[0]={2**33} is out of range"),
+        ({"min_tokens": -1}, "min_tokens=-1 is out of range"),
+        ({"min_tokens": 17}, "min_tokens=17 is out of range: must be in [0, max_tokens=16]"),
     ],
 )
 def test_sampling_params_refuse_values_no_stage_can_use(fields, expected):
@@ -96,6 +98,11 @@ def test_scheduler_validates_a_submission_itself():
         ({"prompt_token_ids": []}, InvalidRequest, "prompt_token_ids is empty"),
         ({"prompt_token_ids": [1] * 256}, PromptTooLong, "max_model_len=256"),
         ({"sampling": SamplingParams(stop_token_ids=[1] * 5)}, InvalidRequest, "at most 4"),
+        (
+            {"prompt_token_ids": [1] * 250, "sampling": SamplingParams(min_tokens=7)},
+            InvalidRequest,
+            "min_tokens=7 after a prompt of 250 tokens exceeds max_model_len=256",
+        ),
         ({"tenant": "t" * 129}, InvalidRequest, "--max-tenant-chars"),
         ({"priority": -(2**31)}, InvalidRequest, "--max-abs-priority"),
         ({"weight": math.nan}, InvalidRequest, "weight=nan"),

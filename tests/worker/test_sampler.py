@@ -242,3 +242,36 @@ def test_sampler_rejects_logits_of_another_batch_size():
     batch = SamplingBatch.from_requests([SamplingParams()] * 2, [[1], [2]], [[], []])
     with pytest.raises(ValueError, match="do not match a batch of 2"):
         Sampler()(torch.zeros(3, 10), batch)
+
+
+def test_sampler_masks_eos_and_stop_token_ids_until_min_tokens():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]]).repeat(4, 1)  # EOS (2) is the argmax
+    params = [
+        SamplingParams(min_tokens=2, stop_token_ids=[3]),  # under min_tokens: 2, 3 masked
+        SamplingParams(min_tokens=2, stop_token_ids=[3]),  # output reached min_tokens
+        SamplingParams(min_tokens=2, ignore_eos=True),  # EOS not a stop: stays
+        SamplingParams(),  # no min_tokens: untouched
+    ]
+    outputs = [[1], [1, 1], [], []]
+    batch = SamplingBatch.from_requests(params, [[]] * 4, outputs, eos_token_id=2)
+    out = Sampler(seed=0)(logits, batch)
+    assert out.token_ids.tolist() == [4, 2, 2, 2]
+    # seeded random rows never draw a masked token either
+    hot = torch.tensor([[0.0, 0.0, 9.0, 9.0, 0.0]]).repeat(64, 1)
+    seeded = [
+        SamplingParams(temperature=1.0, seed=i, min_tokens=1, stop_token_ids=[3]) for i in range(64)
+    ]
+    batch = SamplingBatch.from_requests(seeded, [[]] * 64, [[]] * 64, eos_token_id=2)
+    drawn = set(Sampler()(hot, batch).token_ids.tolist())
+    assert drawn and not drawn & {2, 3}
+
+
+def test_sampler_min_tokens_keeps_raw_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 5.0]])
+    params = [SamplingParams(min_tokens=1, logprobs=1)]
+    batch = SamplingBatch.from_requests(params, [[]], [[]], eos_token_id=2)
+    out = Sampler(seed=0)(logits, batch)
+    assert out.token_ids.tolist() == [1]
+    (lp,) = out.logprobs
+    assert lp.top_token_ids == [2]  # the masked EOS is still the most likely, raw
+    assert lp.token_logprob == pytest.approx(logits.log_softmax(-1)[0, 1].item())

@@ -179,6 +179,12 @@ def test_sim_tokens_emit_eos_rarely_and_only_when_not_ignored():
     assert 0 < tokens.count(2) < 60  # about 1 in 1024
     ignoring = SamplingParams(max_tokens=20000, ignore_eos=True)
     assert 2 not in source.expected_tokens([9], ignoring, 20000)
+    # min_tokens holds EOS off until then, as the real sampler's mask does
+    first_eos = tokens.index(2)
+    held = SamplingParams(max_tokens=20000, min_tokens=first_eos + 1)
+    held_tokens = source.expected_tokens([9], held, 20000)
+    assert 2 not in held_tokens[: first_eos + 1]
+    assert held_tokens[first_eos + 1 :] == tokens[first_eos + 1 :]
 
 
 def test_nelder_mead_finds_a_quadratic_minimum():

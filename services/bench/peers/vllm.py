@@ -138,7 +138,18 @@ def serve_argv(run: VllmRun, port: int) -> list[str]:
     ]
 
 
-def bench_argv(run: VllmRun, port: int, workload: Workload, result_name: str) -> list[str]:
+def bench_argv(
+    run: VllmRun,
+    port: int,
+    workload: Workload,
+    result_name: str,
+    served_model_name: str | None = None,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    """`vllm bench serve` against `host:port`; `served_model_name` is the `model` the
+    requests name (vLLM serves the model's path; Conveyor its own name) while `--model`
+    stays the directory its tokenizer is read from."""
+    named = ["--served-model-name", served_model_name] if served_model_name else []
     return [
         str(run.venv.bin("vllm")),
         "bench",
@@ -146,9 +157,10 @@ def bench_argv(run: VllmRun, port: int, workload: Workload, result_name: str) ->
         "--backend",
         "vllm",
         "--base-url",
-        f"http://127.0.0.1:{port}",
+        f"http://{host}:{port}",
         "--model",
         str(run.model_dir),
+        *named,
         "--dataset-name",
         "random",
         "--num-prompts",
@@ -205,11 +217,18 @@ def _wait_healthy(port: int, proc: subprocess.Popen, log_path: Path, timeout_s: 
     raise TimeoutError(f"vllm serve was not healthy after {timeout_s:.0f} s (log: {log_path})")
 
 
-def _bench(run: VllmRun, port: int, env: dict, workload: Workload, name: str) -> dict:
+def _bench(
+    run: VllmRun,
+    port: int,
+    env: dict,
+    workload: Workload,
+    name: str,
+    served_model_name: str | None = None,
+) -> dict:
     log_path = run.results_dir / f"vllm-bench-{name}.log"
     with log_path.open("w") as log:
         done = subprocess.run(
-            bench_argv(run, port, workload, f"vllm-{name}.json"),
+            bench_argv(run, port, workload, f"vllm-{name}.json", served_model_name),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -218,6 +237,33 @@ def _bench(run: VllmRun, port: int, env: dict, workload: Workload, name: str) ->
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}); see {log_path}")
     return parse_result(json.loads((run.results_dir / f"vllm-{name}.json").read_text()))
+
+
+def bench_sequence(
+    run: VllmRun,
+    port: int,
+    env: dict,
+    workload: Workload,
+    pids: list[int],
+    prefix: str = "",
+    served_model_name: str | None = None,
+) -> dict:
+    """A warm-up, one request alone (its TPOT: the latency floor), then the workload with
+    the CPU of `pids` metered; result files are named `vllm-<prefix><step>.json`."""
+
+    def bench(load: Workload, step: str) -> dict:
+        return _bench(run, port, env, load, prefix + step, served_model_name)
+
+    bench(Workload(num_prompts=4, input_len=16, output_len=8), "warmup")
+    single = Workload(num_prompts=1, input_len=workload.input_len, output_len=workload.output_len)
+    alone = bench(single, "single")
+    meter = CpuMeter([*pids, os.getpid()])
+    meter.start()
+    result = bench(workload, "workload")
+    result["cpu"] = meter.stop()
+    result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
+    result["single_request_ttft_ms"] = alone["mean_ttft_ms"]
+    return result
 
 
 def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0) -> dict:
@@ -231,15 +277,7 @@ def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0)
         )
     try:
         _wait_healthy(port, proc, log_path, startup_timeout_s)
-        _bench(run, port, env, Workload(num_prompts=4, input_len=16, output_len=8), "warmup")
-        single = Workload(
-            num_prompts=1, input_len=workload.input_len, output_len=workload.output_len
-        )
-        alone = _bench(run, port, env, single, "single")
-        meter = CpuMeter([proc.pid, os.getpid()])
-        meter.start()
-        result = _bench(run, port, env, workload, "workload")
-        result["cpu"] = meter.stop()
+        return bench_sequence(run, port, env, workload, [proc.pid])
     finally:
         proc.terminate()
         try:
@@ -247,6 +285,3 @@ def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    result["single_request_tpot_ms"] = alone["mean_tpot_ms"]
-    result["single_request_ttft_ms"] = alone["mean_ttft_ms"]
-    return result

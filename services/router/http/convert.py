@@ -36,8 +36,6 @@ def check_model(model: str | None, limits: ModelLimits) -> None:
 def check_supported(body: schemas.SamplingFields) -> None:
     """Raises InvalidRequest naming every parameter this server would otherwise ignore."""
     unsupported = body.unsupported_fields()
-    if body.min_tokens:
-        unsupported.append("min_tokens")
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
         unsupported.append("best_of (other than n)")
@@ -67,6 +65,7 @@ def sampling_of(
         frequency_penalty=given(body.frequency_penalty, 0.0),
         seed=body.seed,
         max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
         stop_token_ids=list(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,

@@ -209,7 +209,12 @@ class SimStageRunner(StageRunner):
         token_ids = self.tokens.tokens(
             [self._key(s) for s in states],
             [len(s.token_ids) for s in states],
-            [s.sampling.ignore_eos for s in states],
+            # no EOS before min_tokens, as the real sampler masks it
+            [
+                s.sampling.ignore_eos
+                or len(s.token_ids) - s.num_prompt_tokens < s.sampling.min_tokens
+                for s in states
+            ],
         )
         logprobs = None
         for index, (state, token) in enumerate(zip(states, token_ids, strict=True)):

@@ -93,10 +93,12 @@ class TokenSource:
     def expected_tokens(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, num_tokens: int
     ) -> list[int]:
-        """The first `num_tokens` tokens the sim generates for a request (EOS not cut)."""
+        """The first `num_tokens` tokens the sim generates for a request (EOS not cut; none
+        before min_tokens)."""
         key = request_key(sampling, prompt_ids)
         positions = range(len(prompt_ids), len(prompt_ids) + num_tokens)
-        return self.tokens([key] * num_tokens, positions, [sampling.ignore_eos] * num_tokens)
+        no_eos = [sampling.ignore_eos or k < sampling.min_tokens for k in range(num_tokens)]
+        return self.tokens([key] * num_tokens, positions, no_eos)
 
 
 def _tokenizer_regular_ids(path: Path) -> set[int] | None:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/common.proto\x12\x0b\x63onveyor.v1\"\xa3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"S\n\rTokenLogprobs\x12\x15\n\rtoken_logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63onveyor/v1/common.proto\x12\x0b\x63onveyor.v1\"\xb7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobs\"S\n\rTokenLogprobs\x12\x15\n\rtoken_logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'conveyor.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=421
-  _globals['_FINISHREASON']._serialized_end=566
+  _globals['_FINISHREASON']._serialized_start=441
+  _globals['_FINISHREASON']._serialized_end=586
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=333
-  _globals['_TOKENLOGPROBS']._serialized_start=335
-  _globals['_TOKENLOGPROBS']._serialized_end=418
+  _globals['_SAMPLINGPARAMS']._serialized_end=353
+  _globals['_TOKENLOGPROBS']._serialized_start=355
+  _globals['_TOKENLOGPROBS']._serialized_end=438
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,10 @@ def _descendants(pid: int) -> list[int]:
     while todo:
         parent = todo.pop()
         for task in Path(f"/proc/{parent}/task").glob("*"):
-            children = (task / "children").read_text().split()
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the thread (or process) ended since the listing
+                continue
             found += [int(c) for c in children]
             todo += [int(c) for c in children]
     return found

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.weights_utils import hf_greedy
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -46,21 +48,7 @@ def hf_greedy_reference(model_dir, prompts: list[list[int]], max_new: int):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=max_new,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logits.append([step[0].float() for step in out.logits])
-    return tokens, logits
+    return hf_greedy(model, prompts, max_new)
 
 
 @pytest.fixture(scope="session")

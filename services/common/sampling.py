@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequest
@@ -112,13 +113,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def masked_token_ids(self, num_output_tokens: int, eos_token_id: int | None) -> list[int]:
+    def masked_token_ids(
+        self, num_output_tokens: int, eos_token_ids: Sequence[int] = ()
+    ) -> list[int]:
         """Token ids that may not be sampled as output token `num_output_tokens` (0-based):
-        before min_tokens, those that would end the request (EOS unless ignored, and
-        stop_token_ids); none after."""
+        before min_tokens, those that would end the request (every EOS id unless ignored,
+        and stop_token_ids); none after."""
         if num_output_tokens >= self.min_tokens:
             return []
-        eos = [] if eos_token_id is None or self.ignore_eos else [eos_token_id]
+        eos = [] if self.ignore_eos else list(eos_token_ids)
         return [*eos, *self.stop_token_ids]
 
     @property

@@ -64,6 +64,8 @@ class OutputBuilder:
     detokenizer: IncrementalDetokenizer
     matcher: StopMatcher
     num_prompt_tokens: int
+    min_tokens: int = 0
+    """Output tokens whose text no stop string may end in (the request's min_tokens)."""
     num_tokens: int = 0
     num_cached_tokens: int = 0
     is_finished: bool = False
@@ -74,6 +76,7 @@ class OutputBuilder:
             detokenizer=IncrementalDetokenizer.for_prompt(tokenizer, req.prompt_ids),
             matcher=StopMatcher(req.stop, req.include_stop_str_in_output),
             num_prompt_tokens=len(req.prompt_ids),
+            min_tokens=req.sampling.min_tokens,
         )
 
     @property
@@ -89,7 +92,8 @@ class OutputBuilder:
         texts: list[str] = []
         token_ids: list[int] = []
         for token_id in delta.token_ids:
-            texts.append(self.matcher.feed(self.detokenizer.step([token_id])))
+            can_stop = self.num_tokens + len(token_ids) >= self.min_tokens
+            texts.append(self.matcher.feed(self.detokenizer.step([token_id]), can_stop))
             token_ids.append(token_id)
             if self.matcher.is_stopped:
                 break
@@ -97,7 +101,9 @@ class OutputBuilder:
         self.num_tokens += len(token_ids)
         finish = "stop" if self.matcher.is_stopped else delta.finish_reason
         if finish is not None and not self.matcher.is_stopped:
-            texts.append(self.matcher.feed(self.detokenizer.flush()))
+            # The held-back characters belong to the last token.
+            can_stop = self.num_tokens > self.min_tokens
+            texts.append(self.matcher.feed(self.detokenizer.flush(), can_stop))
             texts.append(self.matcher.flush())
             finish = "stop" if self.matcher.is_stopped else finish
         if finish is None and not token_ids:

@@ -97,7 +97,8 @@ class Request:
     tenant: str = "default"
     weight: float = 1.0
     """The tenant's share under the `fair` policy (2.0 gets twice the tokens of 1.0)."""
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's EOS ids: any of them finishes the request (unless `ignore_eos`)."""
     extra_key: str | None = None
     """Namespace of the prefix cache (the tenant's salt, see `cache_salt`): equal prefixes
     with different keys never share blocks."""
@@ -181,7 +182,7 @@ class Request:
         if self.output_token_ids and self.num_output_tokens >= self.sampling.min_tokens:
             last = self.output_token_ids[-1]
             params = self.sampling
-            if last == self.eos_token_id and not params.ignore_eos:
+            if last in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

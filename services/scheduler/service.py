@@ -230,7 +230,6 @@ class SchedulerService:
         if sampling.seed is None and not sampling.is_greedy:
             # A fixed seed makes recompute after preemption or a restart reproduce the tokens.
             sampling.seed = random.getrandbits(63)
-        eos = self.info.eos_token_ids[0] if self.info.eos_token_ids else None
         tenant = tenant or "default"
         request = Request(
             request_id,
@@ -239,7 +238,7 @@ class SchedulerService:
             priority=priority,
             tenant=tenant,
             weight=weight or 1.0,
-            eos_token_id=eos,
+            eos_token_ids=tuple(self.info.eos_token_ids),
             extra_key=Request.cache_salt(tenant),
             owner_token=owner_token,
         )

@@ -369,7 +369,7 @@ def _encode_meta(request: Request) -> dict[str, bytes | str]:
         "priority": request.priority,
         "tenant": request.tenant,
         "weight": request.weight,
-        "eos_token_id": request.eos_token_id,
+        "eos_token_ids": list(request.eos_token_ids),
         "extra_key": request.extra_key,
         "owner_token": request.owner_token,
     }
@@ -385,6 +385,10 @@ def _decode_request(request_id: str, meta: dict[bytes, bytes], outputs: list[int
     prompt = array("I")
     prompt.frombytes(meta[b"prompt"])
     spec = json.loads(meta[b"spec"])
+    if "eos_token_id" in spec:  # written before requests kept every EOS id: one id or null
+        legacy = spec.pop("eos_token_id")
+        spec["eos_token_ids"] = [] if legacy is None else [legacy]
+    spec["eos_token_ids"] = tuple(spec.get("eos_token_ids", ()))
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt.tolist(),

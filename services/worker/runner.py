@@ -79,10 +79,9 @@ class StageRunner:
         self.stage = model.stage
         self.sampler = sampler or Sampler(device=device)
         self.device = torch.device(device)
-        eos = model.config.eos_token_ids
-        # The scheduler finishes requests on the model's first EOS id (scheduler/service.py);
-        # the sampler masks that same id until min_tokens.
-        self.eos_token_id = eos[0] if eos else None
+        # The scheduler finishes requests on any of the model's EOS ids (scheduler/service.py);
+        # the sampler masks those same ids until min_tokens.
+        self.eos_token_ids = model.config.eos_token_ids
         self.requests: dict[str, RequestState] = {}
         self.timing = StepTiming()
         self.last_timing = StepTiming()
@@ -267,7 +266,7 @@ class StageRunner:
                 [s.token_ids[: s.num_prompt_tokens] for s in states],
                 [s.token_ids[s.num_prompt_tokens :] for s in states],
                 device=self.device,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
             )
             output = self.sampler(logits, sampling_batch)
             sampled, logprobs = output.token_ids.to(torch.int64), output.logprobs

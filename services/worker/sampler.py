@@ -20,6 +20,7 @@ neutral penalties), so a row's result does not depend on which fast paths the ba
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ class SamplingBatch:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         device: torch.device | str = "cpu",
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> SamplingBatch:
         """Build the batch; row i of the logits belongs to params[i].
 
@@ -92,8 +93,9 @@ class SamplingBatch:
             output_token_ids: each request's tokens generated so far (penalties and the
                 seeded generator's position k).
             device: where the logits live.
-            eos_token_id: the EOS id that finishes requests (the scheduler's), masked out
-                with stop_token_ids until a request has min_tokens output tokens.
+            eos_token_ids: the ids that finish requests (the model's EOS ids, as the
+                scheduler's), masked out with stop_token_ids until a request has min_tokens
+                output tokens.
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError(
@@ -110,7 +112,7 @@ class SamplingBatch:
         output_rows, output_tokens = _flatten(output_token_ids, penalised, device)
         random = [p for p in params if not p.is_greedy]
         masked = [
-            p.masked_token_ids(len(ids), eos_token_id)
+            p.masked_token_ids(len(ids), eos_token_ids)
             for p, ids in zip(params, output_token_ids, strict=True)
         ]
         masked_rows, masked_tokens = _flatten(masked, range(len(masked)), device)

@@ -7,11 +7,11 @@ from services.router.output import OutputBuilder, SchedulerDelta
 from services.router.request import PreparedRequest
 
 
-def _builder(tokenizer, stop=(), include=False):
+def _builder(tokenizer, stop=(), include=False, min_tokens=0):
     req = PreparedRequest(
         request_id="r",
         prompt_ids=tokenizer.encode("Say:"),
-        sampling=SamplingParams(),
+        sampling=SamplingParams(max_tokens=64, min_tokens=min_tokens),
         stop=list(stop),
         include_stop_str_in_output=include,
     )
@@ -95,3 +95,18 @@ def test_output_carries_the_weight_version_of_each_delta(tiny_tokenizer):
     )
     assert (first.weight_version, last.weight_version) == (2, 3)
     assert output_to_pb("r", last).weight_version == 3
+
+
+def test_output_stop_string_does_not_end_the_first_min_tokens(tiny_tokenizer):
+    text = " one. two. three."
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    first_stop = next(i for i in range(len(ids)) if "." in tiny_tokenizer.decode(ids[: i + 1]))
+    outs = _feed(_builder(tiny_tokenizer, stop=["."]), ids)
+    assert "".join(o.text for o in outs) == " one"
+    # The token that completes " one." is within min_tokens: only the next "." stops.
+    outs = _feed(_builder(tiny_tokenizer, stop=["."], min_tokens=first_stop + 1), ids)
+    assert "".join(o.text for o in outs) == " one. two"
+    assert outs[-1].finish_reason == "stop"
+    # Every token within min_tokens: the text passes whole.
+    outs = _feed(_builder(tiny_tokenizer, stop=["."], min_tokens=len(ids)), ids)
+    assert "".join(o.text for o in outs) == text and outs[-1].finish_reason == "length"

@@ -55,3 +55,23 @@ def test_stop_matcher_emits_nothing_after_a_match():
 def test_stop_matcher_without_stop_strings_passes_text_through():
     matcher = StopMatcher([])
     assert matcher.feed("anything") == "anything"
+
+
+def test_stop_matcher_ignores_stops_ending_in_text_before_min_tokens():
+    matcher = StopMatcher(["."])
+    assert matcher.feed("One.", can_stop=False) == "One."
+    assert matcher.feed(" Two.") == " Two"
+    assert matcher.is_stopped
+
+
+def test_stop_matcher_stop_may_start_in_protected_text_and_end_after():
+    matcher = StopMatcher(["END", "EN"])
+    # "EN" is complete but protected; it is held (it may still grow into "END"), and the
+    # match that ends in the next piece cuts before it: nothing emitted is taken back.
+    assert matcher.feed("abc EN", can_stop=False) == "abc "
+    assert matcher.feed("D more") == ""
+    assert matcher.is_stopped and matcher.matched == "END"
+    protected = StopMatcher(["EN"])
+    assert protected.feed("xEN", can_stop=False) == "xEN"
+    assert protected.feed("EN") == ""
+    assert protected.matched == "EN"

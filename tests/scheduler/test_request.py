@@ -41,8 +41,8 @@ def test_request_failed_keeps_its_reason():
     assert request.status.finish_reason == "error"
 
 
-def _running(sampling: SamplingParams, eos: int | None = 2, prompt_len: int = 3) -> Request:
-    request = Request("r", list(range(10, 10 + prompt_len)), sampling, eos_token_id=eos)
+def _running(sampling: SamplingParams, eos: tuple[int, ...] = (2,), prompt_len: int = 3) -> Request:
+    request = Request("r", list(range(10, 10 + prompt_len)), sampling, eos_token_ids=eos)
     request.transition(S.RUNNING)
     return request
 
@@ -54,6 +54,16 @@ def test_request_stops_on_eos_unless_ignored():
     request = _running(SamplingParams(max_tokens=10, ignore_eos=True))
     request.append_output(2)
     assert request.check_stop(100) is None
+
+
+def test_request_stops_on_any_of_several_eos_ids():
+    # Llama 3 Instruct: <|end_of_text|> and <|eot_id|> both end a turn.
+    for eos in (128001, 128009):
+        request = _running(SamplingParams(max_tokens=10), eos=(128001, 128009))
+        request.append_output(7)
+        assert request.check_stop(100) is None
+        request.append_output(eos)
+        assert request.check_stop(100) is S.FINISHED_STOPPED
 
 
 def test_request_stops_on_stop_token_ids_and_lengths():

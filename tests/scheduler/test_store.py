@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from services.common.step import StepResult
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.state import RequestUpdate
-from services.scheduler.store import RedisStateStore
+from services.scheduler.store import RedisStateStore, meta_key
 from tests.conftest import free_port
 from tests.scheduler.utils import (
     FakeWorkers,
@@ -244,3 +245,16 @@ def test_store_a_reused_id_waits_for_the_old_requests_last_tokens():
         scheduler.process_result(StepResult(plan.step_id, ["x"], [5]))  # finished, buffered
     with pytest.raises(RequestExists, match="not persisted yet"):
         scheduler.add_request(make_request("x", 4, 1))
+
+
+def test_store_keeps_every_eos_id_and_reads_records_with_one(store, redis_url):
+    store.add(make_request("many", 4, 5, eos_token_ids=(2, 9)))
+    store.add(make_request("old", 4, 5))
+    # A record written before requests kept every EOS id holds `eos_token_id` alone.
+    client = redis.Redis.from_url(redis_url)
+    spec = json.loads(client.hget(meta_key("old"), "spec"))
+    del spec["eos_token_ids"]
+    client.hset(meta_key("old"), "spec", json.dumps({**spec, "eos_token_id": 7}))
+    loaded = {r.request_id: r for r in store.load_unfinished()}
+    assert loaded["many"].eos_token_ids == (2, 9)
+    assert loaded["old"].eos_token_ids == (7,)

@@ -50,7 +50,7 @@ def make_request(
     if prompt is None:
         prompt = [100 + fake_token(request_id + "/p", i) for i in range(prompt_len)]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    kwargs.setdefault("eos_token_id", EOS)
+    kwargs.setdefault("eos_token_ids", (EOS,))
     return Request(request_id, list(prompt), sampling, **kwargs)
 
 
@@ -62,7 +62,7 @@ def expected_output(request: Request, max_model_len: int) -> list[int]:
     while True:
         token = fake_token(request.request_id, num_prompt + len(out))
         out.append(token)
-        if token == request.eos_token_id and not params.ignore_eos:
+        if token in request.eos_token_ids and not params.ignore_eos:
             return out
         if token in params.stop_token_ids or len(out) >= params.max_tokens:
             return out

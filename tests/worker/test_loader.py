@@ -167,3 +167,15 @@ def test_config_reads_rope_from_either_transformers_layout():
 def test_config_missing_field_is_named():
     with pytest.raises(ModelLoadError, match="'hidden_size'"):
         ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
+
+
+def test_config_eos_ids_add_generation_configs(model_dir, tmp_path):
+    # Llama 3 Instruct: config.json names <|end_of_text|>, generation_config.json adds
+    # <|eot_id|>; a chat turn ends on either (the router reads the same list).
+    target = copy_dir(model_dir, tmp_path)
+    assert ModelConfig.from_dir(target).eos_token_ids == (2,)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert ModelConfig.from_dir(target).eos_token_ids == (2, 7)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json.*eos_token_id"):
+        ModelConfig.from_dir(target)

@@ -253,7 +253,7 @@ def test_sampler_masks_eos_and_stop_token_ids_until_min_tokens():
         SamplingParams(),  # no min_tokens: untouched
     ]
     outputs = [[1], [1, 1], [], []]
-    batch = SamplingBatch.from_requests(params, [[]] * 4, outputs, eos_token_id=2)
+    batch = SamplingBatch.from_requests(params, [[]] * 4, outputs, eos_token_ids=[2])
     out = Sampler(seed=0)(logits, batch)
     assert out.token_ids.tolist() == [4, 2, 2, 2]
     # seeded random rows never draw a masked token either
@@ -261,15 +261,24 @@ def test_sampler_masks_eos_and_stop_token_ids_until_min_tokens():
     seeded = [
         SamplingParams(temperature=1.0, seed=i, min_tokens=1, stop_token_ids=[3]) for i in range(64)
     ]
-    batch = SamplingBatch.from_requests(seeded, [[]] * 64, [[]] * 64, eos_token_id=2)
+    batch = SamplingBatch.from_requests(seeded, [[]] * 64, [[]] * 64, eos_token_ids=[2])
     drawn = set(Sampler()(hot, batch).token_ids.tolist())
     assert drawn and not drawn & {2, 3}
+
+
+def test_sampler_masks_every_eos_id_until_min_tokens():
+    # Two EOS ids (Llama 3's generation_config lists several): neither may end the request
+    # before min_tokens, whichever of them the model likes best.
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]]).repeat(2, 1)
+    params = [SamplingParams(min_tokens=1), SamplingParams()]
+    batch = SamplingBatch.from_requests(params, [[]] * 2, [[]] * 2, eos_token_ids=[2, 3])
+    assert Sampler(seed=0)(logits, batch).token_ids.tolist() == [4, 2]
 
 
 def test_sampler_min_tokens_keeps_raw_logprobs():
     logits = torch.tensor([[0.0, 1.0, 5.0]])
     params = [SamplingParams(min_tokens=1, logprobs=1)]
-    batch = SamplingBatch.from_requests(params, [[]], [[]], eos_token_id=2)
+    batch = SamplingBatch.from_requests(params, [[]], [[]], eos_token_ids=[2])
     out = Sampler(seed=0)(logits, batch)
     assert out.token_ids.tolist() == [1]
     (lp,) = out.logprobs

@@ -62,6 +62,8 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    """Every id that ends generation: config.json's `eos_token_id` (one id or a list),
+    then those generation_config.json adds (Llama 3 Instruct lists <|eot_id|> there only)."""
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -77,14 +79,25 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read `<model_dir>/config.json`; raises ModelLoadError naming the file and problem."""
+        """Read `<model_dir>/config.json` (and the EOS ids of generation_config.json);
+        raises ModelLoadError naming the file and problem."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{path} does not exist: a model directory needs a config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"{path} is not readable JSON: {exc}") from exc
+        raw = _read_json(path)
+        generation_path = Path(model_dir) / "generation_config.json"
+        if generation_path.is_file():
+            generation = _read_json(generation_path)
+            try:
+                eos_ids = [
+                    *_eos_ids(raw.get("eos_token_id")),
+                    *_eos_ids(generation.get("eos_token_id")),
+                ]
+            except (TypeError, ValueError) as exc:
+                raise ModelLoadError(
+                    f"{path} or {generation_path} has a malformed eos_token_id: {exc}"
+                ) from exc
+            raw = {**raw, "eos_token_id": eos_ids}
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -169,9 +182,19 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return raw
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
+    """One id or a list of ids, duplicates dropped, first occurrence's order kept."""
     if value is None:
         return ()
-    if isinstance(value, list):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    values = value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(int(v) for v in values))

@@ -119,6 +119,28 @@ def test_http_completion_stream_with_usage(fake, client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_http_system_fingerprint_is_the_weight_version(fake, client):
+    # Before any UpdateWeights: version 0, the weights loaded from --model.
+    result = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert result.system_fingerprint == "weights-v0"
+    fake.reset(weight_version=3)
+    result = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert result.system_fingerprint == "weights-v3"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert chat.system_fingerprint == "weights-v3"
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks and {c.system_fingerprint for c in chunks} == {"weights-v3"}
+
+
 def test_http_chat_n_choices_stream_and_seeds(fake, client, tiny_tokenizer):
     stream = client.chat.completions.create(
         model=MODEL,

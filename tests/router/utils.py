@@ -42,6 +42,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     break_after: int = 3
     error_message: str = "fake scheduler error"
     delay_s: float = 0.0
+    weight_version: int = 0
     submits: list[scheduler_pb2.SubmitRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     resumes: list[tuple[str, int]] = field(default_factory=list)
@@ -49,7 +50,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     _broken: set[str] = field(default_factory=set)
 
     def reset(self, **kwargs) -> None:
-        self.mode, self.ids_per_delta, self.delay_s = "ok", 1, 0.0
+        self.mode, self.ids_per_delta, self.delay_s, self.weight_version = "ok", 1, 0.0, 0
         self.submits.clear(), self.aborts.clear(), self.resumes.clear()
         for key, value in kwargs.items():
             setattr(self, key, value)
@@ -93,6 +94,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 token_ids=chunk,
                 finish_reason=reason if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                 num_prompt_tokens=len(req.prompt_token_ids) if offset == 0 else 0,
+                weight_version=self.weight_version,
             )
 
     async def Submit(self, request, context):

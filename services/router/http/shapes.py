@@ -20,8 +20,16 @@ from services.router.request import PreparedRequest
 from services.router.tokenizer import Tokenizer
 
 
+def fingerprint(weight_version: int) -> str:
+    """OpenAI's `system_fingerprint` ("the backend configuration the model runs with"):
+    here the version of the weights that sampled the tokens (0: as loaded from --model;
+    UpdateWeights bumps it, docs/training.md)."""
+    return f"weights-v{weight_version}"
+
+
 def joined(outs: list[OutputDelta]) -> OutputDelta:
-    """A choice's outputs as one (the last one's finish reason and usage)."""
+    """A choice's outputs as one (the last one's finish reason and usage, the newest
+    weight version)."""
     return OutputDelta(
         text="".join(o.text for o in outs),
         token_ids=[t for o in outs for t in o.token_ids],
@@ -29,6 +37,7 @@ def joined(outs: list[OutputDelta]) -> OutputDelta:
         logprobs=[lp for o in outs for lp in o.logprobs],
         finish_reason=outs[-1].finish_reason,
         usage=outs[-1].usage,
+        weight_version=max(o.weight_version for o in outs),
     )
 
 
@@ -45,12 +54,15 @@ class Shape:
     id: str = ""
     logprobs: list[ChoiceLogprobs] = field(init=False)
     lasts: list[OutputDelta | None] = field(init=False)
+    weight_version: int = field(default=0, init=False)
+    """The newest weight version seen in any choice (the response's and usage chunk's)."""
 
     def __post_init__(self) -> None:
         self.logprobs = [ChoiceLogprobs(self.tokenizer) for _ in self.prepared]
         self.lasts = [None] * len(self.prepared)
 
     def seen(self, index: int, out: OutputDelta) -> None:
+        self.weight_version = max(self.weight_version, out.weight_version)
         if out.finish_reason is not None:
             self.lasts[index] = out
 
@@ -95,16 +107,22 @@ class CompletionShape(Shape):
             index=index, text=text, logprobs=lp, finish_reason=out.finish_reason
         )
 
-    def _body(self, choices, usage=None) -> schemas.CompletionResponse:
+    def _body(self, choices, usage=None, weight_version=None) -> schemas.CompletionResponse:
+        version = self.weight_version if weight_version is None else weight_version
         return schemas.CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=fingerprint(version),
+            choices=choices,
+            usage=usage,
         )
 
     def chunk(self, index: int, out: OutputDelta) -> list[BaseModel]:
         self.seen(index, out)
         if self.is_empty(out) and not (self.echo and index not in self._started):
             return []
-        return [self._body([self._choice(index, out)])]
+        return [self._body([self._choice(index, out)], weight_version=out.weight_version)]
 
     def usage_chunk(self) -> BaseModel:
         return self._body([], self.usage())
@@ -128,9 +146,15 @@ class ChatShape(Shape):
         super().__post_init__()
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def _chunk(self, choices, usage=None) -> schemas.ChatCompletionChunk:
+    def _chunk(self, choices, usage=None, weight_version=None) -> schemas.ChatCompletionChunk:
+        version = self.weight_version if weight_version is None else weight_version
         return schemas.ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=fingerprint(version),
+            choices=choices,
+            usage=usage,
         )
 
     def chunk(self, index: int, out: OutputDelta) -> list[BaseModel]:
@@ -141,7 +165,8 @@ class ChatShape(Shape):
         if index not in self._started:
             self._started.add(index)
             role = schemas.ChatDelta(role="assistant", content="")
-            chunks.append(self._chunk([schemas.ChatChunkChoice(index=index, delta=role)]))
+            role_choice = schemas.ChatChunkChoice(index=index, delta=role)
+            chunks.append(self._chunk([role_choice], weight_version=out.weight_version))
         lp = self.logprobs[index].chat(out) if self.wants_logprobs else None
         choice = schemas.ChatChunkChoice(
             index=index,
@@ -150,7 +175,7 @@ class ChatShape(Shape):
             finish_reason=out.finish_reason,
         )
         if not self.is_empty(out):
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice], weight_version=out.weight_version))
         return chunks
 
     def usage_chunk(self) -> BaseModel:
@@ -171,5 +196,10 @@ class ChatShape(Shape):
                 )
             )
         return schemas.ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=fingerprint(self.weight_version),
+            choices=choices,
+            usage=self.usage(),
         )

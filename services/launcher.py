@@ -266,6 +266,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
                 argv += ["--linear-backend", args.linear_backend]
             if args.quantization:
                 argv += ["--quantization", args.quantization]
+            if args.quantization_ignore is not None:
+                argv += ["--quantization-ignore", args.quantization_ignore]
             if pinned:
                 argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
             argv += _device_args(args)
@@ -503,6 +505,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="workers' weight-only quantization, per output channel at load "
         "(default: the checkpoint's own)",
+    )
+    parser.add_argument(
+        "--quantization-ignore",
+        default=None,
+        metavar="PROJ[,PROJ]",
+        help="decoder projections the workers keep in --dtype, or none "
+        "(default: down_proj for fp8, none for int8)",
     )
     parser.add_argument(
         "--device",

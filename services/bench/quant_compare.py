@@ -2,6 +2,7 @@
 
     python -m services.bench.quant_compare [--model DIR] [--num-prompts 64 --input-len 32
         --output-len 32] [--stages 1 --threads 2] [--window 256 --num-windows 12]
+        [--decode-only | --quality-only]
 
 Decode steps first: the worker's own `StageRunner.execute` of one decode step, for 1 and
 `--num-prompts` requests, in fp32, bf16 and int8 taking turns round by round in this
@@ -9,9 +10,11 @@ process (`--decode-only` stops there). Then, for each weight format (`--dtype fl
 `bfloat16`, `bfloat16 --quantization int8`) it starts `conveyor up`, runs a warm-up, one
 request alone (its TPOT) and the burst (`--num-prompts` requests all at once), like
 `conveyor bench --compare`. Quality, in this
-process with the stacks stopped: perplexity on pydoc_data.topics (`conveyor eval ppl`) in
-fp32, bf16, int8 and fp8, and greedy agreement of int8 and fp8 with the unquantized model
-(`conveyor eval greedy`). Prints one table of ratios and writes quant.json.
+process with the stacks stopped (`--quality-only`: that alone): perplexity on
+pydoc_data.topics (`conveyor eval ppl`) in fp32, bf16, int8, fp8 (down_proj kept in bf16,
+the default) and fp8-all (`--quantization-ignore none`), and greedy agreement of int8 and
+fp8 with the unquantized model (`conveyor eval greedy`). Prints one table of ratios and
+writes quant.json.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ SPEED = {  # key -> worker flags
     "bf16": ["--dtype", "bfloat16"],
     "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
 }
-QUALITY = {  # key -> (dtype, quantization)
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "int8": ("bfloat16", "int8"),
-    "fp8": ("bfloat16", "fp8"),
+QUALITY = {  # key -> (dtype, quantization, --quantization-ignore)
+    "fp32": ("float32", None, None),
+    "bf16": ("bfloat16", None, None),
+    "int8": ("bfloat16", "int8", None),
+    "fp8": ("bfloat16", "fp8", None),  # down_proj kept in bf16 (the default)
+    "fp8-all": ("bfloat16", "fp8", "none"),  # every projection in FP8: the format before
 }
 
 
@@ -68,9 +72,8 @@ def run_decode(args, num_rounds: int = 5, num_steps: int = 4) -> dict[str, dict]
     from services.common.step import CachedRequest, NewRequest, StepPlan
     from services.eval.cli import _runner
 
-    ns = argparse.Namespace(model=args.model, device="cpu", threads=args.threads)
     max_len = args.input_len + num_rounds * num_steps + 1
-    runners = {key: _runner(ns, *QUALITY[key], max_len) for key in SPEED}
+    runners = {key: _runner(_namespace(args, key), *QUALITY[key][:2], max_len) for key in SPEED}
     results: dict[str, dict] = {key: {} for key in SPEED}
     for batch in (1, args.num_prompts):
         ids = [f"r{i}" for i in range(batch)]
@@ -107,6 +110,13 @@ def run_decode(args, num_rounds: int = 5, num_steps: int = 4) -> dict[str, dict]
     return results
 
 
+def _namespace(args, key: str) -> argparse.Namespace:
+    """The `conveyor eval` arguments of one format."""
+    return argparse.Namespace(
+        model=args.model, device="cpu", threads=args.threads, quantization_ignore=QUALITY[key][2]
+    )
+
+
 def run_quality(args) -> dict[str, dict]:
     from services.eval.cli import _runner, _tokenizer
     from services.eval.quality import PROMPTS, agreement, corpus_text, greedy, make_windows
@@ -117,14 +127,18 @@ def run_quality(args) -> dict[str, dict]:
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     max_len = max(args.window, max(map(len, prompts)) + 32)
     results: dict[str, dict] = {}
-    for key, (dtype, quantization) in QUALITY.items():
-        ns = argparse.Namespace(model=args.model, device="cpu", threads=args.threads)
-        runner = _runner(ns, dtype, quantization, max_len)
+    for key, (dtype, quantization, _) in QUALITY.items():
+        runner = _runner(_namespace(args, key), dtype, quantization, max_len)
         ppl = score(runner, windows)
         results[key] = {"perplexity": ppl.value, "tokens": ppl.num_tokens, "seconds": ppl.seconds}
         results[key]["greedy"] = greedy(runner, prompts, 32)
         print(f"--- {key}: perplexity {ppl.value:.4f} ({ppl.seconds:.0f} s)", flush=True)
-    for key, reference in (("int8", "bf16"), ("fp8", "bf16"), ("bf16", "fp32")):
+    for key, reference in (
+        ("int8", "bf16"),
+        ("fp8", "bf16"),
+        ("fp8-all", "bf16"),
+        ("bf16", "fp32"),
+    ):
         agree = agreement(results[key]["greedy"], results[reference]["greedy"])
         results[key][f"agreement_vs_{reference}"] = {
             "identical": f"{agree.num_identical}/{agree.num_prompts}",
@@ -143,20 +157,25 @@ def table(speed: dict[str, dict], quality: dict[str, dict]) -> str:
         tpot = f"{s['single_request_tpot_ms']:.1f}" if s else "-"
         tput = f"{s['output_throughput']:.1f}" if s else "-"
         others = f"{s.get('cpu', {}).get('other_cores', 0):.2f}" if s else "-"
-        rows.append(f"{key:6}  {tpot:>12}  {tput:>15}  {others:>13}  {q['perplexity']:10.4f}  {vs}")
-    ratio = lambda a, b, m: speed[a][m] / speed[b][m]  # noqa: E731
+        rows.append(f"{key:7} {tpot:>12}  {tput:>15}  {others:>13}  {q['perplexity']:10.4f}  {vs}")
     p = {k: q["perplexity"] for k, q in quality.items()}
     rows += [
         "",
+        f"perplexity int8 / fp32            {p['int8'] / p['fp32']:.4f}  (target <= 1.01)",
+        f"perplexity fp8 / bf16             {p['fp8'] / p['bf16']:.4f}  (target <= 1.01)",
+        f"perplexity fp8-all / bf16         {p['fp8-all'] / p['bf16']:.4f}",
+        f"perplexity bf16 / fp32            {p['bf16'] / p['fp32']:.4f}",
+    ]
+    if not speed:
+        return "\n".join(rows)
+    ratio = lambda a, b, m: speed[a][m] / speed[b][m]  # noqa: E731
+    rows += [
         f"int8 / bf16 one-request TPOT      {ratio('int8', 'bf16', 'single_request_tpot_ms'):.2f}"
         "  (target <= 0.65)",
         f"int8 / bf16 burst throughput      {ratio('int8', 'bf16', 'output_throughput'):.2f}"
         "  (target >= 0.95)",
         f"int8 / fp32 one-request TPOT      {ratio('int8', 'fp32', 'single_request_tpot_ms'):.2f}",
         f"int8 / fp32 burst throughput      {ratio('int8', 'fp32', 'output_throughput'):.2f}",
-        f"perplexity int8 / fp32            {p['int8'] / p['fp32']:.4f}  (target <= 1.01)",
-        f"perplexity fp8 / bf16             {p['fp8'] / p['bf16']:.4f}  (target <= 1.01)",
-        f"perplexity bf16 / fp32            {p['bf16'] / p['fp32']:.4f}",
     ]
     return "\n".join(rows)
 
@@ -175,9 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--decode-only", action="store_true", help="only the in-process decode-step timing"
     )
+    parser.add_argument(
+        "--quality-only", action="store_true", help="only perplexity and greedy agreement"
+    )
     args = parser.parse_args(argv)
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    if args.quality_only:
+        quality = run_quality(args)
+        (results_dir / "quant_quality.json").write_text(json.dumps({"quality": quality}))
+        print(table({}, quality))
+        return 0
     decode = run_decode(args)
     print(decode_table(decode))
     if args.decode_only:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.worker.config import DEVICES, DTYPES, QUANTIZATIONS
+from services.worker.config import DEVICES, DTYPES, QUANTIZATIONS, parse_projections
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", choices=list(QUANTIZATIONS), default=None, help="as the worker's"
     )
+    parser.add_argument(
+        "--quantization-ignore",
+        default=None,
+        metavar="PROJ[,PROJ]",
+        help="as the worker's (default: down_proj for fp8, none for int8)",
+    )
     parser.add_argument("--device", choices=[d for d in DEVICES if d != "sim"], default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="default: this machine's cores")
 
@@ -56,6 +62,7 @@ def _runner(args, dtype: str, quantization: str | None, max_model_len: int):
         args.model,
         dtype=dtype,
         quantization=quantization,
+        quantization_ignore=parse_projections(args.quantization_ignore),
         device=args.device,
         num_threads=args.threads,
         max_model_len=max_model_len,
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _label(args, dtype: str, quantization: str | None) -> str:
-    return f"dtype={dtype} quantization={quantization or 'none'}"
+    ignore = f" quantization-ignore={args.quantization_ignore}" if args.quantization_ignore else ""
+    return f"dtype={dtype} quantization={quantization or 'none'}{ignore}"
 
 
 def _run_ppl(args) -> int:

@@ -9,7 +9,7 @@ import os
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from services.common.config import default_of
     from services.common.security import add_internal_token_argument, add_tls_arguments
-    from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
+    from services.worker.config import DEVICES, PROJECTIONS, QUANTIZATIONS, WorkerConfig
 
     def default(name: str):
         return default_of(WorkerConfig, name)
@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weight-only quantization of the decoder layers' linears, per output channel, "
         "at load (default: the checkpoint's own; FP8 checkpoints stay fp8)",
+    )
+    parser.add_argument(
+        "--quantization-ignore",
+        default=None,
+        metavar="PROJ[,PROJ]",
+        help=f"decoder projections kept in --dtype ({', '.join(PROJECTIONS)}), or none "
+        "(default: down_proj for fp8, none for int8 and FP8 checkpoints)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -184,7 +191,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace):
     from services.common.affinity import parse_cpu_list
     from services.common.security import internal_token
-    from services.worker.config import WorkerConfig
+    from services.worker.config import WorkerConfig, parse_projections
 
     return WorkerConfig(
         model_dir=args.model,
@@ -198,6 +205,7 @@ def build_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         quantization=args.quantization,
+        quantization_ignore=parse_projections(args.quantization_ignore),
         attention_backend=args.attention_backend,
         device=args.device,
         num_threads=args.threads,

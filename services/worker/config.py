@@ -20,6 +20,20 @@ DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 QUANTIZATIONS = ("int8", "fp8")
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""What `--quantization-ignore` may name (model/quant.py keeps the same list)."""
+
+
+def parse_projections(text: str | None) -> tuple[str, ...] | None:
+    """`--quantization-ignore`: "down_proj,o_proj" -> the names; "none" -> (); None stays
+    None (the method's default). WorkerConfig checks the names."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 """`--quantization`: weight-only, per output channel (services/worker/model/quant.py)."""
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 """`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
@@ -63,6 +77,9 @@ class WorkerConfig:
     """`--quantization`: "int8" or "fp8" weights for the decoder layers' linears, quantized
     per output channel at load; None: the checkpoint's own (FP8 checkpoints stay FP8),
     else unquantized. Embeddings, norms and the logits stay in `dtype`."""
+    quantization_ignore: tuple[str, ...] | None = None
+    """`--quantization-ignore`: decoder projections kept in `dtype` (names of PROJECTIONS);
+    None: the method's default (fp8: down_proj, int8: none; FP8 checkpoints: none)."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
     "auto" takes oneDNN wherever it is supported."""
@@ -186,6 +203,11 @@ class WorkerConfig:
             raise ConfigError(
                 f"quantization={self.quantization!r} is unknown: choose one of "
                 f"{list(QUANTIZATIONS)}"
+            )
+        unknown = set(self.quantization_ignore or ()) - set(PROJECTIONS)
+        if unknown:
+            raise ConfigError(
+                f"quantization_ignore names {sorted(unknown)}: choose among {list(PROJECTIONS)}"
             )
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ConfigError(

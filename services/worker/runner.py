@@ -114,6 +114,7 @@ class StageRunner:
             stage,
             config.dtype,
             config.quantization,
+            ignore=config.quantization_ignore,
             attention_backend=config.effective_attention_backend,
             max_positions=max(max_model_len, model_config.max_position_embeddings),
             tp_rank=config.tp_rank,

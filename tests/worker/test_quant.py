@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError, ModelLoadError
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, parse_projections
 from services.worker.model.quant import (
     FP8_MAX,
     QuantLinear,
@@ -92,12 +92,43 @@ def test_quantize_linears_swaps_only_linears():
 
 def test_quantized_stage_keeps_embedding_norms_and_logits(tmp_path):
     model_dir = make_tiny_model(tmp_path, tied=True, num_layers=2)
-    model = load_quantized_stage(model_dir, stage_spec(2, 1, 0), "bfloat16", "fp8")
+    model = load_quantized_stage(model_dir, stage_spec(2, 1, 0), "bfloat16", "fp8", ignore=())
     assert model.quantization.num_linears == 2 * 4  # qkv, o, gate_up, down per layer
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.lm_head_weight.dtype == torch.bfloat16
     assert model.norm.weight.dtype == torch.bfloat16
     assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantization_ignore_keeps_projections_in_the_compute_dtype(method, tmp_path):
+    model_dir = make_tiny_model(tmp_path, num_layers=2)
+    spec = stage_spec(2, 1, 0)
+    default = load_quantized_stage(model_dir, spec, "bfloat16", method)
+    # fp8 keeps down_proj by default (its inputs carry the massive activations); int8 not.
+    kept = ("down_proj",) if method == "fp8" else ()
+    assert default.quantization.ignored == kept
+    assert default.quantization.num_linears == 2 * (4 - len(kept))
+    down = default.layers[1].mlp.down_proj
+    assert isinstance(down, QuantLinear) != bool(kept)
+    if kept:
+        assert type(down) is nn.Linear and down.weight.dtype == torch.bfloat16
+    chosen = load_quantized_stage(model_dir, spec, "bfloat16", method, ignore=("qkv_proj",))
+    assert chosen.quantization.num_linears == 2 * 3 and chosen.quantization.ignored == ("qkv_proj",)
+    assert type(chosen.layers[0].self_attn.qkv_proj) is nn.Linear
+    assert isinstance(chosen.layers[0].mlp.down_proj, QuantLinear)
+
+
+def test_fp8_checkpoint_quantizes_every_projection_unless_told(tmp_path):
+    source = make_tiny_model(tmp_path / "src", num_layers=1)
+    model_dir = make_fp8_checkpoint(source, tmp_path / "fp8")
+    model = load_quantized_stage(model_dir, stage_spec(1, 1, 0), "bfloat16", None)
+    assert model.quantization.ignored == () and model.quantization.num_linears == 4
+    kept = load_quantized_stage(
+        model_dir, stage_spec(1, 1, 0), "bfloat16", None, ignore=("down_proj",)
+    )
+    down = kept.layers[0].mlp.down_proj  # read as float32 (q * weight_scale), kept in bf16
+    assert type(down) is nn.Linear and down.weight.dtype == torch.bfloat16
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -171,6 +202,10 @@ def test_worker_config_validates_quantization(tmp_path):
     assert WorkerConfig(str(tmp_path), quantization="int8").quantization == "int8"
     with pytest.raises(ConfigError, match="quantization='int4' is unknown"):
         WorkerConfig(str(tmp_path), quantization="int4")
+    assert parse_projections("down_proj, o_proj") == ("down_proj", "o_proj")
+    assert parse_projections("none") == () and parse_projections(None) is None
+    with pytest.raises(ConfigError, match=r"quantization_ignore names \['mlp'\]"):
+        WorkerConfig(str(tmp_path), quantization="fp8", quantization_ignore=("mlp",))
 
 
 def test_metrics_say_what_is_quantized(tmp_path):

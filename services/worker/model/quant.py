@@ -1,8 +1,9 @@
 """Weight-only quantization of a stage's linears: int8 or FP8, one scale per output channel.
 
 Each worker quantizes only its own layers, after they are loaded in the compute dtype
-(`quantize_linears`); embeddings, norms and the logits matmul stay in the compute dtype.
-A weight row r is stored as q[r, :] with  w[r, :] ~= q[r, :] * scale[r]:
+(`quantize_linears`); embeddings, norms and the logits matmul stay in the compute dtype, and
+so do the projections named in `--quantization-ignore` (by default fp8 keeps down_proj:
+see `default_ignore`). A weight row r is stored as q[r, :] with  w[r, :] ~= q[r, :] * scale[r]:
 
     int8:  scale = amax(|w[r]|) / 127     q = round(w / scale) in [-127, 127]
     fp8:   scale = amax(|w[r]|) / 448     q = float8_e4m3fn(w / scale)   (448: e4m3's max)
@@ -32,12 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError, ModelLoadError
-from services.worker.model.loader import SafetensorsReader, load_stage_model
+from services.worker.model.loader import SafetensorsReader, load_stage_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "fp8")
 """`--quantization`: vLLM's names for the weight formats."""
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The decoder layer's linears, by the names `--quantization-ignore` takes."""
 INT8_MAX = 127.0
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -55,6 +58,8 @@ class QuantSummary:
     """Bytes of the quantized weights and their scales."""
     full_bytes: int
     """Bytes those weights took in the compute dtype before quantization."""
+    ignored: tuple[str, ...] = ()
+    """Projections kept in the compute dtype (`--quantization-ignore`)."""
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,49 +137,84 @@ def _dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     return out.to(x.dtype)
 
 
-def quantize_linears(module: nn.Module, method: str) -> QuantSummary:
-    """Swap every `nn.Linear` under `module` for a `QuantLinear` of `method`."""
+def default_ignore(method: str) -> tuple[str, ...]:
+    """The projections `method` keeps in the compute dtype unless told otherwise.
+
+    fp8 keeps down_proj: e4m3's 3 mantissa bits give every weight ~2.6% rms relative error
+    (int8 per channel: ~1%), and down_proj's inputs carry the model's massive activations
+    (up to ~850x their rms in SmolLM2), which multiply the error of the few weights they
+    meet; on SmolLM2 FP8 down_proj alone cost as much perplexity as every other projection
+    together (docs/performance.md#fp8-which-projections). int8 quantizes everything.
+    """
+    return ("down_proj",) if method == "fp8" else ()
+
+
+def quantize_linears(module: nn.Module, method: str, ignore: tuple[str, ...] = ()) -> QuantSummary:
+    """Swap every `nn.Linear` under `module` for a `QuantLinear` of `method`, except those
+    whose attribute name is in `ignore` (they stay as they are)."""
     if method not in QUANTIZERS:
         raise ConfigError(f"quantization={method!r} is unknown: choose one of {QUANTIZATIONS}")
     num, weight_bytes, full_bytes = 0, 0, 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in ignore:
                 quantized = QuantLinear(method, child.weight, child.bias)
                 full_bytes += child.weight.numel() * child.weight.element_size()
                 weight_bytes += quantized.num_bytes
                 setattr(parent, name, quantized)
                 num += 1
-    return QuantSummary(method, num, weight_bytes, full_bytes)
+    return QuantSummary(method, num, weight_bytes, full_bytes, tuple(ignore))
 
 
-def quantize_stage(model: nn.Module, method: str) -> QuantSummary:
-    """Quantize the decoder layers of a loaded StageModel (embeddings, norms and the logits
-    stay in the compute dtype) and record what was done in `model.quantization`."""
-    summary = quantize_linears(model.layers, method)
+def quantize_stage(model: nn.Module, method: str, ignore: tuple[str, ...] = ()) -> QuantSummary:
+    """Quantize the decoder layers of a loaded StageModel (embeddings, norms, the logits and
+    the `ignore`d projections stay in the compute dtype) and record what was done in
+    `model.quantization`."""
+    summary = quantize_linears(model.layers, method, ignore)
     model.quantization = summary
     logger.info(
-        "stage %d: %d linears quantized to %s (%.1f MiB -> %.1f MiB)",
+        "stage %d: %d linears quantized to %s (%.1f MiB -> %.1f MiB), kept: %s",
         model.stage.stage_index,
         summary.num_linears,
         method,
         summary.full_bytes / 2**20,
         summary.weight_bytes / 2**20,
+        ", ".join(ignore) or "none",
     )
     return summary
 
 
 def load_quantized_stage(
-    model_dir: str | Path, stage, dtype: str, quantization: str | None, **kwargs
+    model_dir: str | Path,
+    stage,
+    dtype: str,
+    quantization: str | None,
+    ignore: tuple[str, ...] | None = None,
+    **kwargs,
 ) -> nn.Module:
     """`load_stage_model`, then quantize the layers: `quantization`, else the checkpoint's
-    own (an FP8 checkpoint is read through `Fp8CheckpointReader` either way)."""
+    own (an FP8 checkpoint is read through `Fp8CheckpointReader` either way), keeping the
+    projections in `ignore` in `dtype`. `ignore` None: `default_ignore(method)` when
+    quantizing at load; nothing for an FP8 checkpoint, whose values are FP8 already (kept
+    in bf16 they would only take more bytes)."""
     checkpoint = checkpoint_quantization(model_dir)
     model = load_stage_model(model_dir, stage, dtype, reader=checkpoint_reader(model_dir), **kwargs)
     method = quantization or checkpoint
     if method is not None:
-        quantize_stage(model, method)
+        if ignore is None:
+            ignore = () if checkpoint == "fp8" else default_ignore(method)
+        quantize_stage(model, method, ignore)
+        for layer in model.layers:  # an FP8 checkpoint's kept linears read as float32
+            _linears_to(layer, resolve_dtype(dtype))
     return model
+
+
+def _linears_to(module: nn.Module, dtype: torch.dtype) -> None:
+    """The `nn.Linear`s left unquantized under `module`, in `dtype` (QuantLinear's scales
+    stay float32, so `module.to(dtype)` would not do)."""
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            child.to(dtype)
 
 
 def checkpoint_reader(model_dir: str | Path) -> SafetensorsReader:
@@ -189,7 +229,8 @@ def quantize_like(model: nn.Module, layer: nn.Module, dtype: torch.dtype) -> Non
     quantized with the model's method, else in `dtype` (an FP8 checkpoint's linears read
     as float32)."""
     if model.quantization is not None:
-        quantize_linears(layer, model.quantization.method)
+        quantize_linears(layer, model.quantization.method, model.quantization.ignored)
+        _linears_to(layer, dtype)
     else:
         layer.to(dtype)
 

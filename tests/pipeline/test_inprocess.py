@@ -338,3 +338,31 @@ def test_an_unexpected_error_ends_the_loop_visibly(model, redis_url, monkeypatch
             assert isinstance(error, RuntimeError) and "a bug" in str(error)
 
     asyncio.run(main())
+
+
+def test_pipeline_stops_on_any_eos_id_of_generation_config(model, redis_url, tmp_path):
+    """Llama 3 Instruct lists several EOS ids in generation_config.json: the workers read
+    them with the model, the scheduler stops a request on whichever comes first."""
+    import json
+    import shutil
+
+    model_dir, prompts, ref_tokens, _ = model
+    target = tmp_path / "several-eos"
+    shutil.copytree(model_dir, target)
+    # For each of two prompts, a token its greedy output first produces after position 0.
+    stops = [next(i for i in range(1, NUM_NEW) if t[i] not in t[:i]) for t in ref_tokens[:2]]
+    eos_ids = [ref_tokens[0][stops[0]], ref_tokens[1][stops[1]]]
+    generation = json.loads((target / "generation_config.json").read_text())
+    generation["eos_token_id"] = eos_ids
+    (target / "generation_config.json").write_text(json.dumps(generation))
+
+    async def main():
+        async with InProcessStack(target, 2, "async", redis_url) as stack:
+            sampling = SamplingParams(max_tokens=NUM_NEW)
+            return await stack.generate(prompts[:2], [sampling, sampling])
+
+    outcomes = asyncio.run(main())
+    for outcome, tokens in zip(outcomes, ref_tokens[:2], strict=True):
+        end = next(i for i, t in enumerate(tokens) if t in eos_ids) + 1
+        assert outcome.token_ids == tokens[:end] and outcome.finish_reason == "stop"
+    assert len(outcomes[0].token_ids) <= stops[0] + 1 < NUM_NEW

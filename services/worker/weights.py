@@ -167,7 +167,8 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
                 layer = DecoderLayer(config, live.self_attn.attention_fn, model.tp)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
             quantize_like(model, layer, dtype)
-            if isinstance(live.self_attn.qkv_proj, PackedLinear):
+            # Packed as the live layer is: all its linears, or those quantization kept.
+            if any(isinstance(m, PackedLinear) for m in live.modules()):
                 pack_linears(layer)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:

@@ -115,6 +115,24 @@ def test_weight_update_of_a_quantized_stage_stays_quantized(tmp_path, method):
     )
 
 
+def test_weight_update_packs_the_projections_fp8_keeps(tmp_path):
+    """On oneDNN, fp8's kept down_proj is packed at load; an update packs it again."""
+    from services.worker.model.packed_linear import PackedLinear
+    from services.worker.model.quant import QuantLinear
+
+    old = make_tiny_model(tmp_path / "old", seed=0)
+    new = make_tiny_model(tmp_path / "new", seed=1)
+    (runner,) = make_runners(old, 1, quantization="fp8", onednn=True)
+    model = runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
+    commit(model, stage_weights(model, SafetensorsReader(new), select_layers(model, []), 1))
+    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
+    (fresh,) = make_runners(new, 1, quantization="fp8", onednn=True)
+    prompts = make_prompts(3, seed=3)
+    assert _greedy([runner], prompts) == _greedy([fresh], prompts)
+
+
 def _tensors(model) -> dict[str, torch.Tensor]:
     named = [*model.named_parameters(), *model.named_buffers()]
     return {name: t for name, t in named if t is not None and name != "rotary.cos_cache"}

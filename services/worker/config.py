@@ -20,8 +20,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 QUANTIZATIONS = ("int8", "fp8")
+"""`--quantization`: weight-only, per output channel (services/worker/model/quant.py)."""
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """What `--quantization-ignore` may name (model/quant.py keeps the same list)."""
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+"""`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
 
 def parse_projections(text: str | None) -> tuple[str, ...] | None:
@@ -32,11 +35,6 @@ def parse_projections(text: str | None) -> tuple[str, ...] | None:
     if text.strip().lower() == "none":
         return ()
     return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-"""`--quantization`: weight-only, per output channel (services/worker/model/quant.py)."""
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
-"""`--linear-backend`: auto = oneDNN where supported (CPU, float32/bfloat16), else torch."""
 
 
 @dataclass(slots=True)

@@ -452,6 +452,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1GiB",
         help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)",
     )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length the workers size their KV cache for (a small --kv-cache-memory "
+        "needs a small one) (default: the model's)",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--quantization",
@@ -661,6 +668,8 @@ def _spawn_pipeline(
         ]
         if args.threads:
             argv += ["--threads", str(args.threads)]
+        if getattr(args, "max_model_len", None):
+            argv += ["--max-model-len", str(args.max_model_len)]
         if args.layer_split:
             argv += ["--layer-split", args.layer_split]
         if args.linear_backend != "auto":

@@ -193,6 +193,7 @@ class SchedulerPool:
         )
         call = pipeline.client.open(submit)
         pipeline.view.num_inflight += 1
+        is_counted = True  # counted in `pipeline`'s open streams
         resumer = _Resumer(self, req)
         pending = None  # a message the resume already read from `call`
         next_offset, has_output, is_done = 0, False, False
@@ -222,13 +223,16 @@ class SchedulerPool:
                         raise scheduler_error(exc) from exc
                     call.cancel()
                     pipeline.view.num_inflight -= 1
+                    is_counted = False
                     resumer.failed = pipeline
                     pipeline, call, pending = await resumer.resume(next_offset, exc, has_output)
                     pipeline.view.num_inflight += 1
+                    is_counted = True
                     self._owners[key] = pipeline.view.key
         finally:
             call.cancel()
-            pipeline.view.num_inflight -= 1
+            if is_counted:
+                pipeline.view.num_inflight -= 1
             if is_done:
                 self._owners.pop(key, None)
 

@@ -51,10 +51,11 @@ def reference(smollm2_dir, prompts):
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_dir, tmp_path_factory):
+def stack(smollm2_dir, tmp_path_factory, request):
     workdir = tmp_path_factory.mktemp("scaleout")
     stack = ScaleOutStack(smollm2_dir, workdir)
     try:
+        request.getfixturevalue("reference")  # computed while the processes start
         stack.wait_serving()
         yield stack
     except BaseException:

@@ -119,6 +119,10 @@ class ScaleOutStack:
             str(MAX_MODEL_LEN),
             "--threads",
             "1",
+            # The plain torch attention path: these tests are about routing and adoption,
+            # and the C++ kernel's build costs every fresh worker a minute or more here.
+            "--attention-backend",
+            "torch",
         )
         pipeline.procs["scheduler"] = self._spawn(
             "scheduler",

@@ -52,7 +52,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoScriptError, RedisError
 from redis.retry import Retry
 
-from services.common.errors import StateStoreError, StoreLost
+from services.common.errors import RequestExists, StateStoreError, StoreLost
 from services.common.redis_auth import PASSWORD_ENV, PASSWORD_FILE_ENV
 from services.common.sampling import SamplingParams
 from services.scheduler.request import Request, RequestStatus
@@ -167,7 +167,10 @@ class RedisStateStore:
     # -- writes ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Persist a new request: index entry first, so a half-done add leaves only an index
-        entry without a request, which recovery drops."""
+        entry without a request, which recovery drops. Among several pipelines, an id
+        another pipeline runs is refused (RequestExists), as a duplicate is on one."""
+        if self.pipeline_id:
+            self._check_not_elsewhere(request.request_id)
         pipe = self._pipeline_loading_script()
         pipe.zadd(self.index_key, {request.request_id: request.arrival_time})
         pipe.delete(tokens_key(request.request_id))
@@ -175,6 +178,16 @@ class RedisStateStore:
         if request.output_token_ids:
             pipe.rpush(tokens_key(request.request_id), *request.output_token_ids)
         self._execute_loading_script(pipe)
+
+    def _check_not_elsewhere(self, request_id: str) -> None:
+        state, owner = self._execute_one(lambda c: c.hmget(meta_key(request_id), "state", "owner"))
+        if state is None or RequestStatus(state.decode()).is_finished:
+            return
+        if (owner or b"").decode() != self.pipeline_id:
+            raise RequestExists(
+                f"request id {request_id} is already in use on pipeline "
+                f"{(owner or b'').decode() or '(unnamed)'}: pick a unique id, or Resume it"
+            )
 
     def apply(self, updates: list[RequestUpdate]) -> None:
         """Persist one step's changes in one round trip (plus one to reload the Lua script

@@ -89,3 +89,17 @@ def test_not_serving_pipeline_is_adopted_after_the_grace_only(redis_url, client)
     announce(lost, False)  # still NOT_SERVING: the first time counts
     assert adopter.adopt("p1", grace_s=0.5) == ["a"]
     assert client.smembers("conveyor:pipelines") == {b"p1"}  # announced: it stays listed
+
+
+def test_an_id_running_on_another_pipeline_is_refused(redis_url, client):
+    from services.common.errors import RequestExists
+
+    p0 = RedisStateStore(redis_url, pipeline_id="p0")
+    p1 = RedisStateStore(redis_url, pipeline_id="p1")
+    p1.add(request("a"))
+    with pytest.raises(RequestExists, match="pipeline p1"):
+        p0.add(request("a"))
+    assert client.hget(meta_key("a"), "owner") == b"p1"
+    p1.apply([RequestUpdate("a", RequestStatus.FINISHED_STOPPED)])
+    p0.add(request("a"))  # finished there: the id is free again
+    assert client.hget(meta_key("a"), "owner") == b"p0"

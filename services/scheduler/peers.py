@@ -2,8 +2,9 @@
 
 Every third of `announce_ttl_s` the task below
   1. announces this pipeline (health, queue, KV usage, the prefix blocks it caches);
-  2. lets go of requests another pipeline adopted meanwhile (the store refused their writes):
-     their streams end naming the new owner, where the routers resume them;
+  2. lets go of requests another pipeline adopted meanwhile (the store refused their writes,
+     or, while this pipeline is NOT_SERVING and steps nothing, their `owner` says so): their
+     streams end naming the new owner, where the routers resume them;
   3. while SERVING, adopts the unfinished requests of every pipeline that is lost (its
      announcement expired, or NOT_SERVING past `adopt_grace_s`): ownership moves in one Lua
      call (services/scheduler/registry.py), then the requests are read and queued here to be
@@ -85,13 +86,15 @@ class PipelinePeers:
             self.num_adopted += len(requests)
 
     async def _let_go(self) -> None:
-        store = self.service.store
+        store, core = self.service.store, self.service.scheduler
         moved = store.take_moved()
+        if not self.service.serving and core is not None:
+            # Nothing is stepped, so no write is refused: ask Redis who owns what we hold.
+            moved.update(core.requests)
         if not moved:
             return
-        owners = {}
-        for request_id in moved:
-            owner = await asyncio.to_thread(store.read_owner_pipeline, request_id)
-            if owner is not None and owner != self.service.config.pipeline_id:
-                owners[request_id] = owner
-        self.service.release(owners)
+        owners = await asyncio.to_thread(store.read_owners, sorted(moved))
+        mine = self.service.config.pipeline_id
+        elsewhere = {i: o for i, o in owners.items() if o is not None and o != mine}
+        if elsewhere:
+            self.service.release(elsewhere)

@@ -294,7 +294,9 @@ class SchedulerService:
         """Runs requests adopted from a lost pipeline (their ownership already moved here
         in Redis): queued and recomputed from prompt and outputs so far. They are orphans
         until a router resumes them."""
-        now = time.monotonic()
+        # The routers find them after their resumes back off (up to 2 s) and learn the new
+        # owner: the orphan clock starts an announcement TTL later.
+        now = time.monotonic() + self.config.announce_ttl_s
         for request in requests:
             self.scheduler.readmit(request)
             if self.observer is not None:

@@ -79,6 +79,9 @@ class StateStore(Protocol):
     def read_owner_pipeline(self, request_id: str) -> str | None:
         """The pipeline that owns a request ("" for a lone one); None when unknown."""
 
+    def read_owners(self, request_ids: list[str]) -> dict[str, str | None]:
+        """The owning pipeline of each request (None when unknown)."""
+
     def take_moved(self) -> set[str]:
         """Requests whose writes were refused since the last call (another pipeline adopted
         them)."""

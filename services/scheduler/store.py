@@ -342,6 +342,17 @@ class RedisStateStore:
             return None
         return owner.decode() if owner else ""
 
+    def read_owners(self, request_ids: list[str]) -> dict[str, str | None]:
+        """The owning pipeline of each request (None when unknown): one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(meta_key(request_id), "owner")
+        owners = self._execute_checked(pipe) if request_ids else []
+        return {
+            request_id: owner.decode() if owner is not None else None
+            for request_id, owner in zip(request_ids, owners, strict=True)
+        }
+
     def read_state(self, request_id: str) -> RequestStatus | None:
         state = self._execute_one(lambda c: c.hget(meta_key(request_id), "state"))
         return RequestStatus(state.decode()) if state else None

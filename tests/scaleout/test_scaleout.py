@@ -12,7 +12,7 @@ import random
 from services.common.proto.conveyor.v1 import common_pb2
 from tests.faults.utils import wait_until
 from tests.scaleout.conftest import MAX_TOKENS
-from tests.scaleout.utils import run_streams
+from tests.scaleout.utils import SERVING, health, run_streams
 from tests.worker.utils import compare_greedy
 
 TIE_MARGIN = 1e-4  # a flip to HF's 2nd choice is accepted only below this top-2 margin
@@ -72,6 +72,42 @@ def test_prefix_routing_hits_the_cache_more_than_round_robin(stack):
     print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, prefix {prefix:.3f}")
     assert prefix >= 1.5 * round_robin
     assert prefix > 0.5  # every prefix after its first pass, on the pipeline that holds it
+
+
+def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):
+    """p1's worker dies mid-run; its scheduler lives on, NOT_SERVING. Past the grace period
+    p0 adopts its requests, p1 lets them go (their streams end naming p0) and the router
+    resumes them there. Then p1's worker comes back and p1 serves again, empty."""
+    lost = stack.pipelines[1]
+    held = {}
+
+    def kill_worker():
+        stats = lost.stats()
+        held["requests"] = stats.num_running + stats.num_waiting
+        lost.kill("worker")
+
+    outcomes = run_streams(stack.routers["prefix"], prompts, MAX_TOKENS, kill_worker, 24)
+    assert held["requests"] > 0, "p1 held no request: nothing was adopted"
+    check_greedy(outcomes, range(len(prompts)), reference)
+    client = stack.redis.client()
+    assert client.zcard("conveyor:unfinished:p1") == 0
+    stack.restart(lost, "worker")
+    wait_until(lambda: health(lost.scheduler) == SERVING, 180, 0.5)
+    stats = lost.stats()
+    assert stats.num_running + stats.num_waiting == 0
+    wait_routed_to(stack, "prefix", lost, prompts[0])
+
+
+def wait_routed_to(stack, routing: str, pipeline, prompt: list[int]) -> None:
+    """Until the router sends requests to `pipeline` again (it polls health each second)."""
+    before = pipeline.stats().num_prefix_queried_tokens
+
+    def routed() -> bool:
+        (outcome,) = run_streams(stack.routers[routing], [prompt], 1)
+        assert outcome.error is None, outcome
+        return pipeline.stats().num_prefix_queried_tokens > before
+
+    wait_until(routed, 60, 0.2)
 
 
 def test_lost_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

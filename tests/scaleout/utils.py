@@ -37,6 +37,7 @@ KV_CACHE_MEMORY = "32MiB"
 """45 blocks of 16 tokens per pipeline (SmolLM2-135M, float32: 720 KiB a block)."""
 MAX_MODEL_LEN = 512
 ANNOUNCE_TTL_S = 1.5
+ADOPT_GRACE_S = 4.0
 
 
 @dataclass
@@ -45,15 +46,17 @@ class Pipeline:
     scheduler: str
     worker: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
         with grpc.insecure_channel(self.scheduler) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
-    def kill(self) -> None:
-        """SIGKILL the scheduler and its worker: the pipeline is lost for good."""
-        for proc in self.procs.values():
+    def kill(self, *names: str) -> None:
+        """SIGKILL the scheduler and its worker (default: both, the pipeline is lost)."""
+        for name in names or tuple(self.procs):
+            proc = self.procs[name]
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -99,7 +102,7 @@ class ScaleOutStack:
     def _start_pipeline(self, name: str) -> Pipeline:
         worker_port, scheduler_port = free_port(), free_port()
         pipeline = Pipeline(name, f"127.0.0.1:{scheduler_port}", f"127.0.0.1:{worker_port}")
-        pipeline.procs["worker"] = self._spawn(
+        pipeline.argv["worker"] = [
             "worker",
             "--model",
             str(self.model_dir),
@@ -123,7 +126,8 @@ class ScaleOutStack:
             # and the C++ kernel's build costs every fresh worker a minute or more here.
             "--attention-backend",
             "torch",
-        )
+        ]
+        pipeline.procs["worker"] = self._spawn(*pipeline.argv["worker"])
         pipeline.procs["scheduler"] = self._spawn(
             "scheduler",
             "--workers",
@@ -141,11 +145,15 @@ class ScaleOutStack:
             "--announce-ttl",
             str(ANNOUNCE_TTL_S),
             "--adopt-grace",
-            "5",
+            str(ADOPT_GRACE_S),
             "--orphan-timeout",
             "30",
         )
         return pipeline
+
+    def restart(self, pipeline: Pipeline, name: str) -> None:
+        """Starts `name` ("worker") of `pipeline` again, as it was started."""
+        pipeline.procs[name] = self._spawn(*pipeline.argv[name])
 
     def wait_serving(self, timeout_s: float = 300) -> None:
         addresses = [p.scheduler for p in self.pipelines] + list(self.routers.values())

@@ -30,7 +30,8 @@ from services.common.prefix_hash import prompt_block_hashes
 
 LOCAL_TTL_S = 30.0
 """How long this router trusts its own record of a prefix it sent to a pipeline."""
-LOCAL_MAX_ENTRIES = 200_000
+LOCAL_MAX_ENTRIES = 50_000
+"""(pipeline, block hash) pairs remembered: ~100 bytes each."""
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -94,8 +95,8 @@ class Router:
         """The pipeline for a prompt (`extra_key`: its tenant's cache salt), among the
         serving ones; None when none serves. Records the choice for prefix routing."""
         serving = [v for v in views if v.serving]
-        if not serving:
-            return None
+        if len(serving) <= 1:  # nothing to choose (a lone pipeline: no hashing at all)
+            return serving[0] if serving else None
         start = self._next % len(serving)
         self._next += 1
         rotated = serving[start:] + serving[:start]  # ties: round-robin

@@ -127,7 +127,9 @@ class Stack:
     redis_restarts: list[float] = field(default_factory=list)
     redis_restart_at: float | None = None
     scheduler_address: str | None = None
-    """Where `conveyor stats` and `conveyor bench --scheduler` reach the scheduler."""
+    """Where `conveyor stats` and `conveyor bench --scheduler` reach the (first) scheduler."""
+    scheduler_addresses: list[str] = field(default_factory=list)
+    """Every pipeline's scheduler (`--pipelines`)."""
     stopping: bool = False
     """Set by the launcher's signal handler; start-up gives up at its next wait."""
     max_restarts: int = 5
@@ -223,85 +225,29 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         if not redis_url:
             stack.redis = RedisServer().start()
             redis_url = stack.redis.url
-        dist_addr = f"{INTERNAL_HOST}:{free_port()}"
-        worker_addrs = []
+        num_pipelines = getattr(args, "pipelines", 1)
+        if num_pipelines < 1:
+            raise ConfigError(f"--pipelines={num_pipelines} is out of range: must be >= 1")
         env = dict(os.environ)
         tp_size = check_parallel(args)
         num_ranks = args.stages * tp_size
-        threads = args.threads or default_threads(num_ranks)
-        pinned = stage_cpus(num_ranks, threads) if args.cpu_affinity == "auto" else None
-        for rank in range(num_ranks):  # stage-major: the order --workers wants
-            stage, tp_rank = divmod(rank, tp_size)
-            port = free_port()
-            worker_addrs.append(f"{INTERNAL_HOST}:{port}")
-            argv = [
-                "worker",
-                "--model",
-                args.model,
-                "--stage",
-                str(stage),
-                "--stages",
-                str(args.stages),
-                "--tensor-parallel-size",
-                str(tp_size),
-                "--tp-rank",
-                str(tp_rank),
-                "--dist-addr",
-                dist_addr,
-                "--port",
-                str(port),
-                "--host",
-                INTERNAL_HOST,
-                *internal,
-                "--kv-cache-memory",
-                args.kv_cache_memory,
-                "--dtype",
-                args.dtype,
-            ]
-            if args.threads:
-                argv += ["--threads", str(args.threads)]
-            if args.layer_split:
-                argv += ["--layer-split", args.layer_split]
-            if args.linear_backend != "auto":
-                argv += ["--linear-backend", args.linear_backend]
-            if args.quantization:
-                argv += ["--quantization", args.quantization]
-            if args.quantization_ignore is not None:
-                argv += ["--quantization-ignore", args.quantization_ignore]
-            if pinned:
-                argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
-            argv += _device_args(args)
-            argv += _observability_args(args, 2 + rank)
-            stack.spawn(f"worker {stage}" + (f".{tp_rank}" if tp_size > 1 else ""), argv, env)
-        scheduler_port = args.scheduler_port or free_port()
-        scheduler_addr = f"{INTERNAL_HOST}:{scheduler_port}"
-        stack.scheduler_address = scheduler_addr
-        argv = [
-            "scheduler",
-            "--workers",
-            ",".join(worker_addrs),
-            "--redis-url",
-            redis_url,
-            "--port",
-            str(scheduler_port),
-            "--host",
-            INTERNAL_HOST,
-            *internal,
-            "--scheduling",
-            args.scheduling,
-            *args.scheduler_args,
-        ]
-        if args.timeline:
-            argv += ["--timeline", args.timeline]
-        if args.trace_scheduler:
-            argv += ["--trace-scheduler", args.trace_scheduler]
-        argv += _observability_args(args, 1)
-        stack.spawn("scheduler", argv, env)
-        wait_serving(scheduler_addr, args.startup_timeout, None, should_stop, client)
+        threads = args.threads or default_threads(num_ranks * num_pipelines)
+        pinned = None
+        if args.cpu_affinity == "auto":
+            pinned = stage_cpus(num_ranks * num_pipelines, threads)
+        for index in range(num_pipelines):
+            cpus = pinned[index * num_ranks : (index + 1) * num_ranks] if pinned else None
+            _spawn_pipeline(stack, args, index, num_pipelines, redis_url, internal, env, cpus)
+        for scheduler_addr in stack.scheduler_addresses:
+            wait_serving(scheduler_addr, args.startup_timeout, None, should_stop, client)
+        if num_pipelines == 1:
+            upstream = ["--scheduler", stack.scheduler_address]
+        else:
+            upstream = ["--schedulers", ",".join(stack.scheduler_addresses)]
+            upstream += ["--redis-url", redis_url]
         argv = [
             "router",
-            "--scheduler",
-            scheduler_addr,
+            *upstream,
             "--model",
             args.model,
             "--port",
@@ -475,6 +421,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: allow more worker processes (stages x tp ranks) than cores, e.g. to "
         "measure tensor parallelism on a small machine (default: refused)",
     )
+    parser.add_argument(
+        "--pipelines",
+        type=int,
+        default=1,
+        help="pipelines (a scheduler and its stage workers each) behind the router, sharing "
+        "one Redis: requests are routed by cached prefix and load, and a lost pipeline's "
+        "requests are adopted by another (docs/scale-out.md) (default: 1)",
+    )
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
     parser.add_argument(
         "--host",
@@ -497,6 +451,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         default="1GiB",
         help="KV cache budget per stage, e.g. 512MiB (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length the workers size their KV cache for (a small --kv-cache-memory "
+        "needs a small one) (default: the model's)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
@@ -649,9 +610,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tp_note = f" x {args.tensor_parallel_size} tp ranks" if args.tensor_parallel_size > 1 else ""
     http = f", OpenAI API on port {args.http_port}" if _serves_http(args) else ""
+    pipelines = f"{args.pipelines} pipelines x " if args.pipelines > 1 else ""
     print(
-        f"conveyor is serving on {address} ({args.stages} stages{tp_note}, {args.scheduling}{http}); "
-        f"scheduler on {stack.scheduler_address}",
+        f"conveyor is serving on {address} ({pipelines}{args.stages} stages{tp_note}, "
+        f"{args.scheduling}{http}); scheduler on {','.join(stack.scheduler_addresses)}",
         flush=True,
     )
     try:
@@ -664,3 +626,96 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _spawn_pipeline(
+    stack: Stack,
+    args: argparse.Namespace,
+    index: int,
+    num_pipelines: int,
+    redis_url: str,
+    internal: list[str],
+    env: dict[str, str],
+    pinned: list[list[int]] | None,
+) -> None:
+    """The workers and the scheduler of pipeline `index` (named p<index> when there are
+    several: docs/scale-out.md)."""
+    tp_size = getattr(args, "tensor_parallel_size", 1)
+    num_ranks = args.stages * tp_size
+    name = f"p{index}" if num_pipelines > 1 else ""
+    dist_addr = f"{INTERNAL_HOST}:{free_port()}"
+    worker_addrs = []
+    for rank in range(num_ranks):  # stage-major: the order --workers wants
+        stage, tp_rank = divmod(rank, tp_size)
+        port = free_port()
+        worker_addrs.append(f"{INTERNAL_HOST}:{port}")
+        argv = [
+            "worker",
+            "--model",
+            args.model,
+            "--stage",
+            str(stage),
+            "--stages",
+            str(args.stages),
+            "--tensor-parallel-size",
+            str(tp_size),
+            "--tp-rank",
+            str(tp_rank),
+            "--dist-addr",
+            dist_addr,
+            "--port",
+            str(port),
+            "--host",
+            INTERNAL_HOST,
+            *internal,
+            "--kv-cache-memory",
+            args.kv_cache_memory,
+            "--dtype",
+            args.dtype,
+        ]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        if getattr(args, "max_model_len", None):
+            argv += ["--max-model-len", str(args.max_model_len)]
+        if args.layer_split:
+            argv += ["--layer-split", args.layer_split]
+        if args.linear_backend != "auto":
+            argv += ["--linear-backend", args.linear_backend]
+        if args.quantization:
+            argv += ["--quantization", args.quantization]
+        if args.quantization_ignore is not None:
+            argv += ["--quantization-ignore", args.quantization_ignore]
+        if pinned:
+            argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
+        argv += _device_args(args)
+        argv += _observability_args(args, 2 + rank + index * (1 + num_ranks))
+        label = f"worker {stage}" + (f".{tp_rank}" if tp_size > 1 else "")
+        stack.spawn(f"{label} ({name})" if name else label, argv, env)
+    scheduler_port = (args.scheduler_port + index if args.scheduler_port else None) or free_port()
+    scheduler_addr = f"{INTERNAL_HOST}:{scheduler_port}"
+    stack.scheduler_address = stack.scheduler_address or scheduler_addr
+    stack.scheduler_addresses.append(scheduler_addr)
+    argv = [
+        "scheduler",
+        "--workers",
+        ",".join(worker_addrs),
+        "--redis-url",
+        redis_url,
+        "--port",
+        str(scheduler_port),
+        "--host",
+        INTERNAL_HOST,
+        *internal,
+        "--scheduling",
+        args.scheduling,
+        *args.scheduler_args,
+    ]
+    suffix = f".{name}" if name else ""  # one file per pipeline
+    if args.timeline:
+        argv += ["--timeline", args.timeline + suffix]
+    if args.trace_scheduler:
+        argv += ["--trace-scheduler", args.trace_scheduler + suffix]
+    if name:
+        argv += ["--pipeline-id", name, "--advertise-address", scheduler_addr]
+    argv += _observability_args(args, 1 + index * (1 + num_ranks))
+    stack.spawn(f"{name} scheduler" if name else "scheduler", argv, env)

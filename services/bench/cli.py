@@ -129,6 +129,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "batching on one workload; writes bench/results/",
     )
     compare.add_argument(
+        "--compare-routing",
+        action="store_true",
+        help="round-robin, least-load and prefix routing over 2 pipelines, and 1 pipeline, "
+        "on one workload: throughput, TTFT, prefix-cache hit rate (docs/scale-out.md)",
+    )
+    compare.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="--compare-routing: KV cache per pipeline, e.g. 32MiB (default: 1GiB)",
+    )
+    compare.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="--compare-routing: the stacks' context length, to fit a small "
+        "--kv-cache-memory (default: the model's)",
+    )
+    compare.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=1,
+        help="--compare-routing: threads of each pipeline's worker (default: 1)",
+    )
+    compare.add_argument(
         "--model", default=None, help="model directory (default: SmolLM2-135M, fetched once)"
     )
     compare.add_argument(
@@ -245,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
         from services.bench.peer_compare import run_peer_compare
 
         return run_peer_compare(args, _workload(args), options)
+    if args.compare_routing:
+        from services.bench.routing_compare import run_routing_compare
+
+        return run_routing_compare(args, _workload(args), options)
     if args.compare:
         from services.bench.compare import run_compare
 

@@ -12,6 +12,7 @@ from services.common.security import (
     internal_token,
 )
 from services.router.config import DEFAULT_PORT, RouterConfig
+from services.router.routing import RoutingPolicy
 
 LIMIT_FLAGS = (  # (flag, RouterConfig field, help); each default comes from RouterConfig
     (
@@ -42,7 +43,36 @@ LIMIT_FLAGS = (  # (flag, RouterConfig field, help); each default comes from Rou
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scheduler", required=True, help="scheduler address HOST:PORT")
+    parser.add_argument(
+        "--scheduler", default="", help="scheduler address HOST:PORT (one pipeline)"
+    )
+    parser.add_argument(
+        "--schedulers",
+        default="",
+        metavar="A,B,...",
+        help="several pipelines' scheduler addresses HOST:PORT, comma-separated "
+        "(docs/scale-out.md)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis the schedulers announce themselves in (--pipeline-id): pipelines, their "
+        "load and cached prefixes are discovered there (default: none: only --scheduler(s))",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=[p.value for p in RoutingPolicy],
+        default=default_of(RouterConfig, "routing"),
+        help="how a request's pipeline is picked: longest cached prefix weighed by load, "
+        f"least load, or in turn (default: {default_of(RouterConfig, 'routing')})",
+    )
+    parser.add_argument(
+        "--routing-load-weight",
+        type=float,
+        default=default_of(RouterConfig, "routing_load_weight"),
+        help="prefix routing: KV blocks of prefix one queued request is worth "
+        f"(default: {default_of(RouterConfig, 'routing_load_weight')})",
+    )
     parser.add_argument(
         "--model", required=True, help="Hugging Face model directory (tokenizer and config.json)"
     )
@@ -127,6 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         scheduler_address=args.scheduler,
+        schedulers=[a.strip() for a in args.schedulers.split(",") if a.strip()],
+        redis_url=args.redis_url,
+        routing=args.routing,
+        routing_load_weight=args.routing_load_weight,
         model_dir=args.model,
         port=args.port,
         host=args.host,

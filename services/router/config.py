@@ -92,10 +92,35 @@ class RouterConfig:
     http_port: int | None = None
     """Port of the OpenAI-compatible HTTP API (`--http-port`), served by this process on
     the same bind address, with the same TLS certificate and API keys; None: no HTTP API."""
+    schedulers: list[str] = field(default_factory=list)
+    """More pipelines' scheduler addresses (`--schedulers`), docs/scale-out.md."""
+    redis_url: str | None = None
+    """Redis the schedulers announce themselves in (`--redis-url`); None: no discovery."""
+    routing: str = "prefix"
+    """`--routing`: prefix, least-load or round-robin (services/router/routing.py)."""
+    routing_load_weight: float = 0.5
+    """KV blocks of cached prefix one queued request is worth (`--routing-load-weight`)."""
 
     def __post_init__(self) -> None:
-        if not self.scheduler_address or ":" not in self.scheduler_address:
-            raise ConfigError(f"--scheduler={self.scheduler_address!r} must be HOST:PORT")
+        from services.router.routing import RoutingPolicy
+
+        if not (self.scheduler_address or self.schedulers or self.redis_url):
+            raise ConfigError(
+                "no scheduler to send requests to: give --scheduler HOST:PORT, --schedulers "
+                "A,B,... or --redis-url (pipelines announced there)"
+            )
+        for address in self.scheduler_addresses:
+            if ":" not in address:
+                raise ConfigError(f"scheduler address {address!r} must be HOST:PORT")
+        if self.routing not in {p.value for p in RoutingPolicy}:
+            raise ConfigError(
+                f"--routing={self.routing!r} is not known: use one of "
+                f"{[p.value for p in RoutingPolicy]}"
+            )
+        if not 0 <= self.routing_load_weight < 1e6:
+            raise ConfigError(
+                f"--routing-load-weight={self.routing_load_weight} is out of range: [0, 1e6)"
+            )
         if not Path(self.model_dir).is_dir():
             raise ConfigError(f"--model={self.model_dir} is not a directory")
         if not 0 < self.port < 65536:
@@ -152,6 +177,12 @@ class RouterConfig:
             if not isinstance(value, int) or value < low or (high is not None and value > high):
                 allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise ConfigError(f"{flag}={value!r} is out of range: must be an integer {allowed}")
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """--scheduler and --schedulers, without repeats."""
+        found = [self.scheduler_address] if self.scheduler_address else []
+        return list(dict.fromkeys(found + self.schedulers))
 
     @property
     def request_limits(self) -> limits.RequestLimits:

@@ -33,7 +33,7 @@ from services.router.tokenizer import Tokenizer
 if TYPE_CHECKING:  # the core itself never imports grpc
     from services.common.metrics import RouterMetrics
     from services.common.telemetry import Tracing
-    from services.router.upstream import SchedulerClient
+    from services.router.pool import SchedulerPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RouterCore:
 
     tokenizer: Tokenizer
     limits: ModelLimits
-    scheduler: SchedulerClient
+    scheduler: SchedulerPool
     is_ready: bool = False  # the scheduler was SERVING at the last health poll
     metrics: RouterMetrics | None = None  # --metrics-port; None: no hook runs
     tracing: Tracing | None = None  # --otlp-endpoint; None: no span is created

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2
@@ -18,9 +19,9 @@ from services.common.serving import GrpcServer
 from services.router import generation, kserve
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.pool import SchedulerPool
 from services.router.request import ModelLimits
 from services.router.tokenizer import Tokenizer
-from services.router.upstream import SchedulerClient
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,31 @@ def build_core(config: RouterConfig) -> RouterCore:
     upstream = internal_client(
         config.tls_ca, config.tls_cert, config.tls_key, config.internal_token
     )
-    scheduler = SchedulerClient(config.scheduler_address, config.resume_timeout_s, upstream)
+    discovery = None
+    if config.redis_url:
+        discovery = announcement_reader(config.redis_url)
+    scheduler = SchedulerPool(
+        config.scheduler_addresses,
+        config.resume_timeout_s,
+        upstream,
+        routing=config.routing,
+        load_weight=config.routing_load_weight,
+        discovery=discovery,
+    )
     return RouterCore(tokenizer=tokenizer, limits=limits, scheduler=scheduler)
+
+
+def announcement_reader(redis_url: str):
+    """A blocking callable returning the pipelines announced in Redis now."""
+    import redis
+
+    from services.common.pipelines import read_announcements
+    from services.common.redis_auth import redis_connection_kwargs
+
+    client = redis.Redis.from_url(
+        redis_url, socket_timeout=2.0, **redis_connection_kwargs(os.environ)
+    )
+    return lambda: read_announcements(client)
 
 
 def server_security(config: RouterConfig) -> ServerSecurity:
@@ -129,7 +153,7 @@ async def serve(config: RouterConfig) -> None:
         config.port,
         core.limits.name,
         core.limits.max_model_len,
-        config.scheduler_address,
+        core.scheduler.address,
     )
     if http is not None:
         await http.start()

@@ -1,11 +1,12 @@
-"""The router's end of `Scheduler.Session`: every request of this router on one stream.
+"""The router's end of `Scheduler.Session`: every request of this router to one scheduler
+on one stream.
 
 `SchedulerSession` owns the bidirectional call: commands go out through one queue (the call
 writes them in order), and one reader task hands each update to the `SessionStream` it
 names. A stream reads like the Submit or Resume call it replaces: `read()` returns the next
 TokenDelta, `grpc.aio.EOF` when the scheduler ended it without a finish reason, or raises
 the `grpc.aio.AioRpcError` that call would have ended with, so the resume logic of
-upstream.py is the same for both. When the session itself ends (the scheduler restarted,
+pool.py is the same for both. When the session itself ends (the scheduler restarted,
 the network broke) every open stream gets its status and the next command opens a new
 session.
 """

@@ -1,20 +1,15 @@
-"""The router's side of the scheduler: submit, resume after a broken stream, abort, health.
+"""The router's side of one scheduler: its channel, session, health and stats.
 
-Every request of the router travels on one `Scheduler.Session` (services/router/session.py):
-submits, resumes and aborts go out as commands, token deltas come back batched, many
-requests per message. A request's stream that breaks with UNAVAILABLE (scheduler restart,
-network: the session itself broke) is re-attached with a resume command from its offset, on
-a new session, retried with backoff for up to `resume_timeout_s`. Offsets make it exact:
-tokens before the first offset the client has not seen are dropped, so the client sees
-neither a gap nor a duplicate.
+Every request of the router on one pipeline travels on one `Scheduler.Session`
+(services/router/session.py): submits, resumes and aborts go out as commands, token deltas
+come back batched, many requests per message. Streams, and their resumes after a break
+(scheduler restart, network, a pipeline lost and adopted), are driven by the pool of every
+pipeline (services/router/pool.py), which holds one `SchedulerClient` per scheduler.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,16 +23,13 @@ from services.common.errors import (
     RequestFailed,
     UnknownRequest,
 )
-from services.common.pb import FINISH_FROM_PB, logprobs_from_pb, sampling_to_pb
+from services.common.pb import FINISH_FROM_PB, logprobs_from_pb
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.security import ClientSecurity
 from services.router.output import SchedulerDelta
-from services.router.request import PreparedRequest
 from services.router.session import SchedulerSession, SessionStream
 
 logger = logging.getLogger(__name__)
-
-_MAX_BACKOFF_S = 2.0
 
 
 class StreamBroken(Exception):
@@ -129,6 +121,19 @@ class SchedulerClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    def open(self, command: scheduler_pb2.SessionRequest) -> SessionStream:
+        """Sends a submit or resume on the session (a new one if the last ended)."""
+        return self._current().open(command)
+
+    async def stats(self, timeout_s: float = 1.0) -> scheduler_pb2.SchedulerStats | None:
+        """The scheduler's GetStats, or None when it does not answer."""
+        try:
+            return await self._stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError:
+            return None
+
     def abort(self, request_id: str, principal: str = "", owner_token: str = "") -> None:
         """Aborts a request (of `principal`, submitted with `owner_token`). Nothing answers:
         its streams end with finish reason abort, and a scheduler that never hears it (a
@@ -139,87 +144,3 @@ class SchedulerClient:
             request_id=request_id, principal=principal, owner_token=owner_token
         )
         self._current().abort(msg)
-
-    async def stream(
-        self,
-        req: PreparedRequest,
-        metadata: tuple[tuple[str, str], ...] | None = None,
-    ) -> AsyncIterator[SchedulerDelta]:
-        """Submits `req` and yields its deltas until one carries a finish reason.
-        `metadata` is the Submit's (the W3C traceparent when tracing)."""
-        submit = scheduler_pb2.SessionRequest(
-            submit=scheduler_pb2.SubmitRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_to_pb(req.sampling),
-                priority=req.priority,
-                tenant=req.tenant,
-                principal=req.principal,
-                owner_token=req.owner_token,
-            ),
-            traceparent=dict(metadata or ()).get("traceparent", ""),
-        )
-        call = self._current().open(submit)
-        pending = None  # a message the resume already read from `call`
-        next_offset, has_output = 0, False
-        try:
-            while True:
-                try:
-                    while True:
-                        msg = await call.read() if pending is None else pending
-                        pending = None
-                        if msg is grpc.aio.EOF:
-                            raise StreamBroken("the stream ended before the request finished")
-                        delta = delta_from_pb(msg, next_offset)
-                        has_output = True
-                        next_offset = delta.offset + len(delta.token_ids)
-                        yield delta
-                        if delta.finish_reason is not None:
-                            return
-                except (grpc.aio.AioRpcError, StreamBroken) as exc:
-                    if isinstance(exc, grpc.aio.AioRpcError) and (
-                        exc.code() is not grpc.StatusCode.UNAVAILABLE
-                    ):
-                        raise scheduler_error(exc) from exc
-                    call.cancel()
-                    call, pending = await self._resume(req, next_offset, exc, has_output)
-        finally:
-            call.cancel()
-
-    async def _resume(
-        self, req: PreparedRequest, offset: int, cause: Exception, has_output: bool
-    ) -> tuple[SessionStream, scheduler_pb2.TokenDelta]:
-        """(stream, its first message) of a resume the scheduler accepted; retries while it
-        is unreachable, for up to resume_timeout_s. Only the request this Submit created is
-        resumed (its owner token): a Submit refused while another request with its id runs
-        finds nothing (NOT_FOUND), never the other request's tokens."""
-        request_id = req.request_id
-        deadline = time.monotonic() + self.resume_timeout_s
-        delay = 0.1
-        logger.info("stream of %s broke at offset %d; resuming", request_id, offset)
-        resume = scheduler_pb2.ResumeRequest(
-            request_id=request_id,
-            from_offset=offset,
-            principal=req.principal,
-            owner_token=req.owner_token,
-        )
-        while True:
-            call = self._current().open(scheduler_pb2.SessionRequest(resume=resume))
-            try:
-                return call, await call.read()
-            except grpc.aio.AioRpcError as exc:
-                call.cancel()
-                if exc.code() is grpc.StatusCode.NOT_FOUND and not has_output:
-                    # The scheduler never took the request: report why Submit failed.
-                    if isinstance(cause, grpc.aio.AioRpcError):
-                        raise scheduler_error(cause) from cause
-                    raise scheduler_error(exc) from exc
-                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
-                    raise scheduler_error(exc) from exc
-            if time.monotonic() + delay > deadline:
-                raise PipelineUnavailable(
-                    f"lost the scheduler at {self.address} and could not resume request "
-                    f"{request_id} within {self.resume_timeout_s:.0f} s; retry the request"
-                )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, _MAX_BACKOFF_S)

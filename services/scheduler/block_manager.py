@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import OutOfBlocks, UnknownRequest
+from services.common.prefix_hash import chain_hash, root_hash
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +118,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return prefix
         size = self.block_size
-        parent = _root_hash(extra_key, self.cache_epoch)
+        parent = root_hash(extra_key, self.cache_epoch)
         for i in range((len(token_ids) - 1) // size):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
-            parent = hash((parent, tokens))
+            parent = chain_hash(parent, tokens)
             block_id = self._cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -175,7 +176,7 @@ class BlockManager:
         if not self.can_allocate(request_id, num_slots, prefix):
             needed = self.num_blocks_needed(request_id, num_slots, prefix)
             raise self._out_of_blocks(request_id, needed)
-        seq = self._seqs[request_id] = _Seq([], [], 0, _root_hash(extra_key, self.cache_epoch))
+        seq = self._seqs[request_id] = _Seq([], [], 0, root_hash(extra_key, self.cache_epoch))
         new_ids = []
         if prefix is not None:
             self._take_prefix(seq, prefix)
@@ -213,7 +214,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
-            parent = hash((parent, tokens))
+            parent = chain_hash(parent, tokens)
             seq.block_hashes.append(parent)
             block = self.blocks[seq.block_ids[i]]
             if block.block_hash is None and parent not in self._cached:
@@ -232,6 +233,14 @@ class BlockManager:
         self._cached.clear()
         for seq in self._seqs.values():
             seq.block_hashes.clear()
+
+    def recent_block_hashes(self, limit: int) -> list[int]:
+        """Chain hashes of the `limit` most recently cached blocks that are still findable
+        (what a pipeline announces to the routers: a bounded set)."""
+        if limit <= 0 or not self._cached:
+            return []
+        hashes = list(self._cached)  # insertion order: the most recently cached last
+        return hashes[-limit:]
 
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> BlockStats:
@@ -283,7 +292,3 @@ class BlockManager:
             block.block_hash = block.token_ids = None
         block.ref_count = 1
         return block_id
-
-
-def _root_hash(extra_key: str | None, epoch: int = 0) -> int:
-    return hash(("conveyor-kv", extra_key, epoch))

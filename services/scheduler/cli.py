@@ -171,6 +171,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    parser.add_argument(
+        "--pipeline-id",
+        default=_default("pipeline_id"),
+        help="this pipeline's name among several sharing one Redis: it announces itself to "
+        "the routers and adopts a lost pipeline's requests (docs/scale-out.md) "
+        "(default: none, a lone pipeline)",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="where routers reach this scheduler, as announced (default: 127.0.0.1:--port)",
+    )
+    parser.add_argument(
+        "--announce-ttl",
+        type=float,
+        default=_default("announce_ttl_s"),
+        help="seconds an announcement lives unless renewed; one that expired marks the "
+        f"pipeline lost (default: {_default('announce_ttl_s')})",
+    )
+    parser.add_argument(
+        "--adopt-grace",
+        type=float,
+        default=_default("adopt_grace_s"),
+        help="seconds another pipeline may stay NOT_SERVING before this one adopts its "
+        f"requests (default: {_default('adopt_grace_s')})",
+    )
+    parser.add_argument(
+        "--announce-max-blocks",
+        type=int,
+        default=_default("announce_max_blocks"),
+        help="most cached prefix block hashes announced to the routers "
+        f"(default: {_default('announce_max_blocks')})",
+    )
     for flag, name, text in LIMIT_FLAGS:
         parser.add_argument(
             flag,
@@ -210,6 +244,11 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         internal_token_file=args.internal_token_file,
         internal_token=internal_token(args.internal_token_file, os.environ),
         health_port=args.health_port,
+        pipeline_id=args.pipeline_id,
+        advertise_address=args.advertise_address,
+        announce_ttl_s=args.announce_ttl,
+        adopt_grace_s=args.adopt_grace,
+        announce_max_blocks=args.announce_max_blocks,
         **{name: getattr(args, name) for _, name, _ in LIMIT_FLAGS},
     )
 

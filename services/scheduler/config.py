@@ -88,8 +88,9 @@ class SchedulerConfig:
     """Reuse KV blocks of identical prompt prefixes (`--enable-prefix-caching`)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps under the token budget (`--enable-chunked-prefill`)."""
-    policy: SchedulerPolicy = SchedulerPolicy.FCFS
-    """Waiting-queue order (`--scheduler-policy`)."""
+    policy: SchedulerPolicy = SchedulerPolicy.FAIR
+    """Waiting-queue order (`--scheduler-policy`). `fair` by default: with one tenant it is
+    arrival order, with several a tenant flooding the queue cannot starve the others."""
     scheduling: SchedulingMode = SchedulingMode.ASYNC
     """`--scheduling`."""
     num_stages: int = 1
@@ -161,6 +162,24 @@ class SchedulerConfig:
     """A plaintext port serving grpc.health.v1 only (`--health-port`), for probes that
     cannot speak TLS; None: none."""
 
+    # -- many pipelines (docs/scale-out.md) -----------------------------------------------
+    pipeline_id: str = ""
+    """This pipeline's name among those sharing one Redis (`--pipeline-id`): it owns its
+    requests, announces itself to the routers and adopts the requests of a lost pipeline.
+    Empty: a lone pipeline (no announcement, no adoption)."""
+    advertise_address: str | None = None
+    """HOST:PORT routers reach this scheduler at, as announced (`--advertise-address`);
+    None: 127.0.0.1 and --port."""
+    announce_ttl_s: float = 3.0
+    """The announcement expires after this many seconds unless renewed (renewed every
+    third of it); an expired one means the scheduler is gone (`--announce-ttl`)."""
+    adopt_grace_s: float = 10.0
+    """A pipeline NOT_SERVING for longer than this is lost: another adopts its unfinished
+    requests (`--adopt-grace`)."""
+    announce_max_blocks: int = 4096
+    """Most cached block hashes one announcement carries, the most recent first
+    (`--announce-max-blocks`)."""
+
     def __post_init__(self) -> None:
         self.policy = _enum(SchedulerPolicy, self.policy, "policy")
         self.scheduling = _enum(SchedulingMode, self.scheduling, "scheduling")
@@ -187,7 +206,14 @@ class SchedulerConfig:
                 "max_message_bytes and max_abs_priority must be below 2^31 (gRPC and proto "
                 f"int32 bounds): got {self.max_message_bytes} and {self.max_abs_priority}"
             )
-        for name in ("orphan_timeout_s", "store_grace_s"):
+        if self.pipeline_id:
+            from services.common.pipelines import check_pipeline_id
+
+            check_pipeline_id(self.pipeline_id)
+        if self.advertise_address is not None and ":" not in self.advertise_address:
+            raise ConfigError(f"advertise_address {self.advertise_address!r} must be HOST:PORT")
+        _at_least("announce_max_blocks", self.announce_max_blocks, 0)
+        for name in ("orphan_timeout_s", "store_grace_s", "announce_ttl_s", "adopt_grace_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} is out of range: must be > 0 seconds")

@@ -110,14 +110,31 @@ class Scheduler:
         comes back WAITING with prompt + outputs so far, to be recomputed."""
         scheduler = cls(config, store)
         for request in store.load_unfinished():
-            scheduler.requests[request.request_id] = request
-            scheduler.policy.add(request)
-            scheduler.outputs.record_state(request)
-            finished = request.check_stop(config.max_model_len)
-            if finished is not None:  # its last token was logged just before the restart
-                scheduler._finish(request, finished)
+            scheduler.readmit(request)
         logger.info("recovered %d unfinished requests", len(scheduler.requests))
         return scheduler
+
+    def readmit(self, request: Request) -> None:
+        """Queue a request read back from the store (recovered after a restart, or adopted
+        from a lost pipeline): WAITING, to be recomputed from its prompt and outputs so far.
+        One already here is left alone."""
+        if request.request_id in self.requests:
+            return
+        self.requests[request.request_id] = request
+        self.policy.add(request)
+        self.outputs.record_state(request)
+        finished = request.check_stop(self.config.max_model_len)
+        if finished is not None:  # its last token was logged just before the restart
+            self._finish(request, finished)
+
+    def release(self, request_id: str) -> Request | None:
+        """Drop a request another pipeline adopted (its blocks freed, the workers told);
+        the store refuses this scheduler's writes to it, so the abort recorded is not
+        persisted. Returns it, or None when it is not here."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:

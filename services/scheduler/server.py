@@ -71,7 +71,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     msg.num_prompt_tokens = len(request.prompt_token_ids)
                     first = False
                 yield msg
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None or delta.owner_pipeline_id is not None:
                     return
         finally:
             self.service.unsubscribe(key, queue)
@@ -157,6 +157,7 @@ async def stats_to_pb(
         pause_mode=PAUSE_MODES_TO_PB[service.pause_mode],
         weight_version=service.weight_version,
         num_weight_updates=service.num_weight_updates,
+        pipeline_id=service.config.pipeline_id,
     )
     core = service.scheduler
     if core is None:
@@ -169,6 +170,8 @@ async def stats_to_pb(
     msg.num_cached_blocks, msg.kv_usage = blocks.num_cached_blocks, blocks.usage
     msg.fragmentation, msg.prefix_cache_hit_rate = blocks.fragmentation, blocks.prefix_hit_rate
     msg.block_size = core.config.block_size
+    msg.num_prefix_queried_tokens = core.block_manager.num_queried_tokens
+    msg.num_prefix_hit_tokens = core.block_manager.num_hit_tokens
     msg.num_inflight = service.inflight
     if service.counters.num_steps:
         msg.mean_schedule_us = 1e6 * service.counters.schedule_s / service.counters.num_steps
@@ -199,8 +202,12 @@ async def serve(config: SchedulerConfig) -> int:
         redis_server = RedisServer().start()
         redis_url = redis_server.url
         logger.warning("no --redis-url: using a private redis-server; state will not survive it")
+    redis_kwargs = redis_connection_kwargs(os.environ)
     store = RedisStateStore(
-        redis_url, finished_ttl_s=config.finished_ttl_s, **redis_connection_kwargs(os.environ)
+        redis_url,
+        finished_ttl_s=config.finished_ttl_s,
+        pipeline_id=config.pipeline_id,
+        **redis_kwargs,
     )
     security = internal_server_security(
         config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
@@ -227,6 +234,16 @@ async def serve(config: SchedulerConfig) -> int:
     await server.start()
     service.on_serving_change(lambda serving: asyncio.ensure_future(server.set_serving(serving)))
     logger.info("scheduler on port %d waiting for %d stages", config.port, len(config.workers))
+    peers_task, registry = None, None
+    if config.pipeline_id:
+        from services.scheduler.peers import PipelinePeers
+        from services.scheduler.registry import PipelineRegistry
+
+        registry = PipelineRegistry(redis_url, config.pipeline_id, **redis_kwargs)
+        address = config.advertise_address or f"127.0.0.1:{config.port}"
+        peers = PipelinePeers(service, registry, address)
+        peers_task = asyncio.create_task(peers.run(), name="pipeline-peers")
+        logger.info("pipeline %s announced at %s", config.pipeline_id, address)
     starter = asyncio.create_task(service.start())
     stopper = asyncio.create_task(server.wait_for_stop())
     await asyncio.wait({starter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -251,6 +268,10 @@ async def serve(config: SchedulerConfig) -> int:
         except grpc.RpcError as exc:
             logger.warning("could not collect the timeline: %s", exc.code().name)
     starter.cancel()
+    if peers_task is not None:
+        peers_task.cancel()
+        await asyncio.gather(peers_task, return_exceptions=True)
+        registry.close()
     await server.stop(grace_s=3)
     await service.stop()
     close_observers()

@@ -288,6 +288,37 @@ class SchedulerService:
         self._wake.set()
         return True
 
+    # ------------------------------------------------------------------ many pipelines
+    def adopt(self, requests: list[Request]) -> None:
+        """Runs requests adopted from a lost pipeline (their ownership already moved here
+        in Redis): queued and recomputed from prompt and outputs so far. They are orphans
+        until a router resumes them."""
+        # The routers find them after their resumes back off (up to 2 s) and learn the new
+        # owner: the orphan clock starts an announcement TTL later.
+        now = time.monotonic() + self.config.announce_ttl_s
+        for request in requests:
+            self.scheduler.readmit(request)
+            if self.observer is not None:
+                self.observer.on_state(request)
+            if request.request_id in self.scheduler.requests:
+                self._orphaned_at.setdefault(request.request_id, now)
+        self._wake.set()
+
+    def release(self, owners: dict[str, str]) -> None:
+        """Drops requests another pipeline adopted (`owners`: id -> that pipeline), after
+        this one was NOT_SERVING too long; their streams end naming where to resume."""
+        for request_id, owner_pipeline_id in owners.items():
+            request = self.scheduler.release(request_id) if self.scheduler else None
+            if request is None:
+                continue
+            logger.warning("%s was adopted by pipeline %s: dropped", request_id, owner_pipeline_id)
+            moved = TokenDelta(request_id, [], request.num_output_tokens, None)
+            moved.owner_pipeline_id = owner_pipeline_id
+            for queue in self._subscribers.pop(request_id, ()):
+                queue.put_nowait(moved)
+            self._orphaned_at.pop(request_id, None)
+        self._wake.set()
+
     def attach(self, request_id: str) -> asyncio.Queue | None:
         """A live queue for an unfinished request (Resume), or None if it is not running here."""
         if self.scheduler is None or request_id not in self.scheduler.requests:
@@ -316,6 +347,11 @@ class SchedulerService:
             try:
                 status = await asyncio.to_thread(self.store.read_state, request_id)
                 tokens = await asyncio.to_thread(self.store.read_tokens, request_id, 0)
+                owner_pipeline = None
+                if queue is None and status is not None and not status.is_finished:
+                    owner_pipeline = await asyncio.to_thread(
+                        self.store.read_owner_pipeline, request_id
+                    )
             except StateStoreError as exc:
                 raise PipelineUnavailable(f"cannot read request {request_id}: {exc}") from exc
             if status is None and queue is not None:  # live here, but Redis lost it
@@ -327,10 +363,18 @@ class SchedulerService:
             # Not running here (and not finished: a restarted scheduler still recovering):
             # the stream ends without a finish reason and the router resumes again later.
             is_done = queue is None or status.is_finished
-            yield TokenDelta(request_id, tokens[offset:], offset, status.finish_reason)
+            first = TokenDelta(request_id, tokens[offset:], offset, status.finish_reason)
+            if owner_pipeline is not None and owner_pipeline != self.config.pipeline_id:
+                first.owner_pipeline_id = owner_pipeline  # resume there
+            yield first
             delivered = len(tokens)
             while not is_done:
                 delta = await queue.get()
+                if delta.owner_pipeline_id is not None:  # released: adopted elsewhere
+                    moved = TokenDelta(request_id, [], delivered, None)
+                    moved.owner_pipeline_id = delta.owner_pipeline_id
+                    yield moved
+                    return
                 skip = max(0, delivered - delta.offset)
                 if skip:  # already read from the store
                     delta = TokenDelta(

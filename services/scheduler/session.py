@@ -50,6 +50,8 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
     )
     if delta.error:
         msg.error = delta.error
+    if delta.owner_pipeline_id is not None:
+        msg.owner_pipeline_id = delta.owner_pipeline_id
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_pb(lp) for lp in delta.logprobs if lp is not None)
     return msg
@@ -165,6 +167,8 @@ class RouterSession:
                 self.push(stream, delta)
                 if delta.finish_reason is not None:
                     return
+                if delta.owner_pipeline_id is not None:
+                    break  # another pipeline runs it: ended below, resumed there
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream ends with the status Resume's would
@@ -210,6 +214,12 @@ class RouterSession:
         if delta.finish_reason is not None:  # its last: the stream id may be used again
             self._streams.pop(stream.stream_id, None)
         self._enqueue(stream, delta, None)
+        # Adopted by another pipeline: the submit's stream ends here, to be resumed there
+        # (a resume's own reader ends its stream).
+        is_moved = delta.owner_pipeline_id is not None and stream.task is None
+        if is_moved and self._streams.pop(stream.stream_id, None) is not None:
+            update = scheduler_pb2.SessionUpdate(stream_id=stream.stream_id, ended=True)
+            self._enqueue(None, None, update)
 
     def _enqueue(self, stream, delta, update) -> None:
         self._outbox.append((stream, delta, update))

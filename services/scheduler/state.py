@@ -29,6 +29,9 @@ class TokenDelta:
     """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
     weight_version: int = 0
     """The weights serving the request when the delta was sent (UpdateWeights)."""
+    owner_pipeline_id: str | None = None
+    """Set when this scheduler does not run the request (any more): the pipeline that owns
+    it, where the stream resumes. Such a delta ends the stream without a finish reason."""
 
 
 @dataclass(slots=True)
@@ -72,6 +75,19 @@ class StateStore(Protocol):
 
     def read_tokens(self, request_id: str, offset: int = 0) -> list[int]:
         """A request's output tokens from `offset` on (a broken stream resumes there)."""
+
+    def read_owner_pipeline(self, request_id: str) -> str | None:
+        """The pipeline that owns a request ("" for a lone one); None when unknown."""
+
+    def read_owners(self, request_ids: list[str]) -> dict[str, str | None]:
+        """The owning pipeline of each request (None when unknown)."""
+
+    def take_moved(self) -> set[str]:
+        """Requests whose writes were refused since the last call (another pipeline adopted
+        them)."""
+
+    def load_requests(self, ids: list[str]) -> list[Request]:
+        """These requests as `load_unfinished` returns them (finished ones dropped)."""
 
     def read_owner_token(self, request_id: str) -> str | None:
         """The owner token a request was submitted with ("" for one stored before owner

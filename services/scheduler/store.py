@@ -3,9 +3,12 @@
 Keys (the `{req:<id>}` hash tag puts both keys of a request in one Redis Cluster slot)::
 
     {req:<id>}:meta     hash  prompt (packed uint32), spec (JSON: sampling params, tenant,
-                              priority, weight, arrival, eos, extra key), state, reason
+                              priority, weight, arrival, eos, extra key), state, reason,
+                              owner (the pipeline that runs it: --pipeline-id, "" alone)
     {req:<id>}:tokens   list  output token ids, in order (the token log)
-    conveyor:unfinished zset  ids of unfinished requests, scored by arrival (its own slot)
+    conveyor:unfinished zset  ids of unfinished requests, scored by arrival (its own slot);
+                              one per pipeline, `conveyor:unfinished:<pipeline id>`, when
+                              several share one Redis (docs/scale-out.md)
 
 One step = one round trip: `apply()` sends a non-transactional pipeline holding one EVALSHA
 for every changed request of the step (append + state + TTL per request: one Lua call, not
@@ -17,6 +20,9 @@ single Redis (in a Cluster it would have to be split by slot). What holds:
 * appends are offset-checked: the script appends only the tokens past the log's length, so
   a replayed or re-sent step appends nothing twice, and a gap is refused, never written;
 * a finished state is never overwritten; finished keys expire after `finished_ttl_s`;
+* a request is written only by its owner: another pipeline that adopted it (see
+  services/scheduler/registry.py) fences this one off, whose writes to it are refused
+  (MOVED) and which then drops it (`take_moved()`);
 * the index may briefly list a finished or vanished request (if a pipeline broke halfway):
   `load_unfinished()` checks each id's own state and drops stale entries.
 
@@ -46,7 +52,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoScriptError, RedisError
 from redis.retry import Retry
 
-from services.common.errors import StateStoreError, StoreLost
+from services.common.errors import RequestExists, StateStoreError, StoreLost
 from services.common.redis_auth import PASSWORD_ENV, PASSWORD_FILE_ENV
 from services.common.sampling import SamplingParams
 from services.scheduler.request import Request, RequestStatus
@@ -59,9 +65,11 @@ LOST_REASON = "Redis lost this request's state (restarted from an older snapshot
 
 # One call persists a whole step. KEYS: meta and tokens key of each request, in pairs.
 # ARGV[1]: JSON list, per request: [offset, state ('' = unchanged), reason, ttl (0 = none),
-# [tokens...]] (one argument: redis-py encodes thousands of small ones slowly).
+# [tokens...]] (one argument: redis-py encodes thousands of small ones slowly). ARGV[2]: the
+# writer's pipeline id.
 # Returns, per request: its log's length after the append, LOST (-1) when its meta is gone,
-# GAP (-2) when its log is shorter than `offset` (neither is written).
+# GAP (-2) when its log is shorter than `offset`, MOVED (-3) when another pipeline owns it
+# (none is written).
 _APPLY_SCRIPT = """
 local out = {}
 local updates = cjson.decode(ARGV[1])
@@ -70,6 +78,8 @@ for i, u in ipairs(updates) do
   local offset, state, reason, ttl, new = u[1], u[2], u[3], u[4], u[5]
   if redis.call('EXISTS', meta) == 0 then
     out[#out + 1] = -1
+  elseif (redis.call('HGET', meta, 'owner') or '') ~= ARGV[2] then
+    out[#out + 1] = -3
   else
     local len = redis.call('LLEN', tokens)
     if len < offset then
@@ -95,7 +105,7 @@ for i, u in ipairs(updates) do
 end
 return out
 """
-_LOST, _GAP = -1, -2
+_LOST, _GAP, _MOVED = -1, -2, -3
 
 
 def meta_key(request_id: str) -> str:
@@ -104,6 +114,11 @@ def meta_key(request_id: str) -> str:
 
 def tokens_key(request_id: str) -> str:
     return f"{{req:{request_id}}}:tokens"
+
+
+def index_key(pipeline_id: str) -> str:
+    """The unfinished index of one pipeline (the historical name for a lone one)."""
+    return f"{INDEX_KEY}:{pipeline_id}" if pipeline_id else INDEX_KEY
 
 
 class RedisStateStore:
@@ -116,14 +131,20 @@ class RedisStateStore:
         timeout_s: float = 2.0,
         check_interval_s: float = 1.0,
         password: str | None = None,
+        pipeline_id: str = "",
     ):
-        """`password` (see services/common/redis_auth.py) is sent unless the URL holds one."""
+        """`password` (see services/common/redis_auth.py) is sent unless the URL holds one;
+        `pipeline_id` names the pipeline whose requests this store writes and recovers."""
         if finished_ttl_s < 1:
             raise StateStoreError(f"finished_ttl_s={finished_ttl_s} must be >= 1 second")
         self.url = _redacted(url)
         """The URL without its password: it goes into logs and error messages."""
         self.finished_ttl_s = finished_ttl_s
+        self.pipeline_id = pipeline_id
+        self.index_key = index_key(pipeline_id)
         self.round_trips = 0
+        self._moved: set[str] = set()
+        """Requests another pipeline adopted (their writes were refused), until taken."""
         self.on_round_trip: Callable[[float], None] | None = None
         """Called with the seconds of every round trip (the redis_round_trip metric)."""
         # No hidden retries: a failed round trip surfaces at once and the caller re-sends.
@@ -146,14 +167,27 @@ class RedisStateStore:
     # -- writes ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Persist a new request: index entry first, so a half-done add leaves only an index
-        entry without a request, which recovery drops."""
+        entry without a request, which recovery drops. Among several pipelines, an id
+        another pipeline runs is refused (RequestExists), as a duplicate is on one."""
+        if self.pipeline_id:
+            self._check_not_elsewhere(request.request_id)
         pipe = self._pipeline_loading_script()
-        pipe.zadd(INDEX_KEY, {request.request_id: request.arrival_time})
+        pipe.zadd(self.index_key, {request.request_id: request.arrival_time})
         pipe.delete(tokens_key(request.request_id))
-        pipe.hset(meta_key(request.request_id), mapping=_encode_meta(request))
+        pipe.hset(meta_key(request.request_id), mapping=_encode_meta(request, self.pipeline_id))
         if request.output_token_ids:
             pipe.rpush(tokens_key(request.request_id), *request.output_token_ids)
         self._execute_loading_script(pipe)
+
+    def _check_not_elsewhere(self, request_id: str) -> None:
+        state, owner = self._execute_one(lambda c: c.hmget(meta_key(request_id), "state", "owner"))
+        if state is None or RequestStatus(state.decode()).is_finished:
+            return
+        if (owner or b"").decode() != self.pipeline_id:
+            raise RequestExists(
+                f"request id {request_id} is already in use on pipeline "
+                f"{(owner or b'').decode() or '(unnamed)'}: pick a unique id, or Resume it"
+            )
 
     def apply(self, updates: list[RequestUpdate]) -> None:
         """Persist one step's changes in one round trip (plus one to reload the Lua script
@@ -171,11 +205,20 @@ class RedisStateStore:
         if errors:
             raise StateStoreError(f"Redis at {self.url} refused a state write: {errors[0]}")
         lengths = results[0]
+        self._moved.update(
+            u.request_id for u, n in zip(updates, lengths, strict=True) if n == _MOVED
+        )
         lost = [u.request_id for u, n in zip(updates, lengths, strict=True) if n in (_LOST, _GAP)]
         if lost:
             raise StoreLost(
                 f"Redis at {self.url} lost the state of {len(lost)} requests (e.g. {lost[0]})"
             )
+
+    def take_moved(self) -> set[str]:
+        """The requests whose writes were refused since the last call: another pipeline
+        adopted them (this one was NOT_SERVING too long), so this one must drop them."""
+        moved, self._moved = self._moved, set()
+        return moved
 
     def check(self) -> None:
         """Raises StateStoreError when Redis does not answer, StoreLost when it is not the
@@ -189,7 +232,7 @@ class RedisStateStore:
         sha = self._load_script()  # a restarted Redis has lost its scripts
         pipe = self._client.pipeline(transaction=False)
         pipe.info("server")
-        pipe.zrange(INDEX_KEY, 0, -1)
+        pipe.zrange(self.index_key, 0, -1)
         info, listed = self._execute_checked(pipe)
         ids = {r.request_id for r in requests}
         pipe = self._client.pipeline(transaction=False)
@@ -200,8 +243,8 @@ class RedisStateStore:
             aborted = RequestStatus.FINISHED_ABORTED.value
             keys = [k for i in stale for k in (meta_key(i), tokens_key(i))]
             args = [(0, aborted, LOST_REASON, self.finished_ttl_s, [])] * len(stale)
-            pipe.evalsha(sha, len(keys), *keys, json.dumps(args))
-            pipe.zrem(INDEX_KEY, *stale)
+            pipe.evalsha(sha, len(keys), *keys, json.dumps(args), self.pipeline_id)
+            pipe.zrem(self.index_key, *stale)
         self._execute_checked(pipe)
         self._run_id = info.get("run_id")
         logger.warning(
@@ -214,15 +257,15 @@ class RedisStateStore:
     def _write_whole(self, pipe, request: Request) -> None:
         request_id = request.request_id
         pipe.delete(tokens_key(request_id))
-        pipe.hset(meta_key(request_id), mapping=_encode_meta(request))
+        pipe.hset(meta_key(request_id), mapping=_encode_meta(request, self.pipeline_id))
         if request.output_token_ids:
             pipe.rpush(tokens_key(request_id), *request.output_token_ids)
         if request.status.is_finished:
             pipe.expire(meta_key(request_id), self.finished_ttl_s)
             pipe.expire(tokens_key(request_id), self.finished_ttl_s)
-            pipe.zrem(INDEX_KEY, request_id)
+            pipe.zrem(self.index_key, request_id)
         else:
-            pipe.zadd(INDEX_KEY, {request_id: request.arrival_time})
+            pipe.zadd(self.index_key, {request_id: request.arrival_time})
 
     def _check_run_id(self, info) -> None:
         self._next_check = time.monotonic() + self._check_interval_s
@@ -247,9 +290,9 @@ class RedisStateStore:
             args.append((u.offset, state, u.reason or "", ttl, u.token_ids))
             if is_finished:
                 finished_ids.append(u.request_id)
-        pipe.evalsha(sha, len(keys), *keys, json.dumps(args))
+        pipe.evalsha(sha, len(keys), *keys, json.dumps(args), self.pipeline_id)
         if finished_ids:
-            pipe.zrem(INDEX_KEY, *finished_ids)
+            pipe.zrem(self.index_key, *finished_ids)
         return pipe
 
     # -- reads -----------------------------------------------------------------------------
@@ -257,10 +300,14 @@ class RedisStateStore:
         """Every unfinished request, WAITING with its prompt and outputs so far, oldest first."""
         pipe = self._pipeline_loading_script()
         pipe.info("server")
-        pipe.zrange(INDEX_KEY, 0, -1)
+        pipe.zrange(self.index_key, 0, -1)
         *_, info, listed = self._execute_loading_script(pipe)
         self._run_id = info.get("run_id")
-        ids = [i.decode() for i in listed]
+        return self.load_requests([i.decode() for i in listed])
+
+    def load_requests(self, ids: list[str]) -> list[Request]:
+        """These requests, WAITING with their prompt and outputs so far, in the given order;
+        finished or vanished ones are dropped (and removed from this pipeline's index)."""
         pipe = self._client.pipeline(transaction=False)
         for request_id in ids:
             pipe.hgetall(meta_key(request_id))
@@ -276,7 +323,7 @@ class RedisStateStore:
             requests.append(_decode_request(request_id, meta, [int(t) for t in tokens]))
         if stale:
             logger.info("dropping %d stale ids from the unfinished index", len(stale))
-            self._execute_one(lambda c: c.zrem(INDEX_KEY, *stale))
+            self._execute_one(lambda c: c.zrem(self.index_key, *stale))
         return requests
 
     def read_tokens(self, request_id: str, offset: int = 0) -> list[int]:
@@ -287,6 +334,24 @@ class RedisStateStore:
     def read_owner_token(self, request_id: str) -> str | None:
         spec = self._execute_one(lambda c: c.hget(meta_key(request_id), "spec"))
         return json.loads(spec).get("owner_token", "") if spec else None
+
+    def read_owner_pipeline(self, request_id: str) -> str | None:
+        """The pipeline that owns a request ("" for a lone pipeline); None when unknown."""
+        owner, spec = self._execute_one(lambda c: c.hmget(meta_key(request_id), "owner", "spec"))
+        if spec is None:
+            return None
+        return owner.decode() if owner else ""
+
+    def read_owners(self, request_ids: list[str]) -> dict[str, str | None]:
+        """The owning pipeline of each request (None when unknown): one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hget(meta_key(request_id), "owner")
+        owners = self._execute_checked(pipe) if request_ids else []
+        return {
+            request_id: owner.decode() if owner is not None else None
+            for request_id, owner in zip(request_ids, owners, strict=True)
+        }
 
     def read_state(self, request_id: str) -> RequestStatus | None:
         state = self._execute_one(lambda c: c.hget(meta_key(request_id), "state"))
@@ -362,7 +427,7 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def _encode_meta(request: Request) -> dict[str, bytes | str]:
+def _encode_meta(request: Request, owner: str) -> dict[str, bytes | str]:
     spec = {
         "sampling": asdict(request.sampling),
         "arrival_time": request.arrival_time,
@@ -378,6 +443,7 @@ def _encode_meta(request: Request) -> dict[str, bytes | str]:
         "spec": json.dumps(spec),
         "state": request.status.value,
         "reason": request.fail_reason or "",
+        "owner": owner,
     }
 
 

@@ -168,3 +168,26 @@ def test_dockerfile_torch_source_is_a_build_arg():
         assert not re.search(rf"^\s+{arg}=", text, re.M), f"an ENV continuation sets {arg}"
     (install,) = [r for r in build_stage.split("\nRUN ") if "pip install ${from} " in r]
     assert "${TORCH_INDEX_URL:-" in install and "${TORCH_WHEELS}" in install
+
+
+def test_pipelines_profile_adds_a_second_pipeline_the_router_discovers():
+    """`--profile pipelines`: pipeline p1 (two workers at their own rendezvous, a scheduler
+    over them); both schedulers announce themselves in Redis, where the router looks."""
+    done = compose(REPO, "--profile", "pipelines", "config", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    p0, p1 = flags(services["scheduler"]["command"]), flags(services["scheduler-p1"]["command"])
+    assert (p0["--pipeline-id"], p1["--pipeline-id"]) == ("p0", "p1")
+    assert p1["--workers"] == "worker-p1-0:50061,worker-p1-1:50061"
+    assert p0["--redis-url"] == p1["--redis-url"]
+    for name in ("worker-p1-0", "worker-p1-1"):
+        assert flags(services[name]["command"])["--dist-addr"] == "worker-p1-0:29500"
+    router = flags(services["router"]["command"])
+    assert router["--redis-url"] == p0["--redis-url"]
+    assert services["router"]["environment"]["CONVEYOR_REDIS_PASSWORD"]
+    published = {name for name, svc in services.items() if svc.get("ports")}
+    assert published == {"router"}
+
+
+def test_pipelines_profile_is_off_by_default(stack):
+    assert not {"worker-p1-0", "worker-p1-1", "scheduler-p1"} & set(stack)

@@ -28,6 +28,7 @@ EXPECTED_PAGES = {
     "development.md",
     "observability.md",
     "performance.md",
+    "scale-out.md",
     "security.md",
     "simulation.md",
     "tensor-parallel.md",

@@ -56,31 +56,82 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "/models/%s" .Values.model.name) .Values.model.dir }}
 {{- end }}
 
-{{- define "conveyor.workerName" -}}
-{{ include "conveyor.fullname" . }}-worker
+{{/* Pipelines (docs/scale-out.md): one scheduler and one worker set each. */}}
+{{- define "conveyor.pipelines" -}}
+{{- $n := int (default 1 .Values.pipelines) -}}
+{{- if lt $n 1 }}{{ fail "pipelines must be >= 1" }}{{ end -}}
+{{ $n }}
 {{- end }}
 
-{{/* DNS name of worker pod i (stage i / T, tp rank i % T): include "conveyor.workerHost" (list . i) */}}
+{{/* Name suffix of pipeline p: "" alone (names as before), "-p<p>" among several:
+include "conveyor.pipelineSuffix" (list . p) */}}
+{{- define "conveyor.pipelineSuffix" -}}
+{{- if gt (int (include "conveyor.pipelines" (index . 0))) 1 -}}-p{{ index . 1 }}{{- end -}}
+{{- end }}
+
+{{/* The pipeline label of pipeline p's pods and selectors (none when alone). */}}
+{{- define "conveyor.pipelineLabel" -}}
+{{- if gt (int (include "conveyor.pipelines" (index . 0))) 1 -}}
+conveyor.io/pipeline: p{{ index . 1 }}
+{{- end -}}
+{{- end }}
+
+{{/* Worker StatefulSet of pipeline p: include "conveyor.workerName" (list . p); "." alone
+means pipeline 0. */}}
+{{- define "conveyor.workerName" -}}
+{{- if kindIs "slice" . -}}
+{{ include "conveyor.fullname" (index . 0) }}-worker{{ include "conveyor.pipelineSuffix" . }}
+{{- else -}}
+{{ include "conveyor.workerName" (list . 0) }}
+{{- end -}}
+{{- end }}
+
+{{/* DNS name of worker pod i (stage i / T, tp rank i % T) of pipeline p (default 0):
+include "conveyor.workerHost" (list . i p) */}}
 {{- define "conveyor.workerHost" -}}
 {{- $root := index . 0 -}}
-{{- $name := include "conveyor.workerName" $root -}}
+{{- $p := 0 -}}
+{{- if gt (len .) 2 }}{{ $p = index . 2 }}{{ end -}}
+{{- $name := include "conveyor.workerName" (list $root $p) -}}
 {{ $name }}-{{ index . 1 }}.{{ $name }}.{{ $root.Release.Namespace }}.svc.{{ $root.Values.clusterDomain }}
 {{- end }}
 
-{{/* Comma-separated gRPC addresses of every worker pod, stage-major: stage 0 first, and
-with tensor parallelism every rank of a stage before the next stage (the scheduler's
---workers). */}}
+{{/* Comma-separated gRPC addresses of every worker pod of pipeline p, stage-major: stage 0
+first, and with tensor parallelism every rank of a stage before the next stage (the
+scheduler's --workers): include "conveyor.workerAddrs" (list . p); "." means pipeline 0. */}}
 {{- define "conveyor.workerAddrs" -}}
+{{- $root := . -}}
+{{- $p := 0 -}}
+{{- if kindIs "slice" . }}{{ $root = index . 0 }}{{ $p = index . 1 }}{{ end -}}
 {{- $addrs := list -}}
-{{- $tp := int (default 1 .Values.pipeline.tensorParallelSize) -}}
-{{- range $i := until (mul (int .Values.pipeline.stages) $tp | int) -}}
-{{- $addrs = append $addrs (printf "%s:%d" (include "conveyor.workerHost" (list $ $i)) (int $.Values.worker.port)) -}}
+{{- $tp := int (default 1 $root.Values.pipeline.tensorParallelSize) -}}
+{{- range $i := until (mul (int $root.Values.pipeline.stages) $tp | int) -}}
+{{- $addrs = append $addrs (printf "%s:%d" (include "conveyor.workerHost" (list $root $i $p)) (int $root.Values.worker.port)) -}}
 {{- end -}}
 {{ join "," $addrs }}
 {{- end }}
 
+{{/* The scheduler Service of pipeline p: include "conveyor.schedulerName" (list . p) */}}
+{{- define "conveyor.schedulerName" -}}
+{{ include "conveyor.fullname" (index . 0) }}-scheduler{{ include "conveyor.pipelineSuffix" . }}
+{{- end }}
+
+{{/* DNS name of pipeline p's scheduler: include "conveyor.schedulerHost" (list . p); "."
+means pipeline 0. */}}
 {{- define "conveyor.schedulerHost" -}}
-{{ include "conveyor.fullname" . }}-scheduler.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- $root := . -}}
+{{- $p := 0 -}}
+{{- if kindIs "slice" . }}{{ $root = index . 0 }}{{ $p = index . 1 }}{{ end -}}
+{{ include "conveyor.schedulerName" (list $root $p) }}.{{ $root.Release.Namespace }}.svc.{{ $root.Values.clusterDomain }}
+{{- end }}
+
+{{/* Every pipeline's scheduler HOST:PORT, comma-separated (the router's --schedulers). */}}
+{{- define "conveyor.schedulerAddrs" -}}
+{{- $addrs := list -}}
+{{- range $p := until (int (include "conveyor.pipelines" .)) -}}
+{{- $addrs = append $addrs (printf "%s:%d" (include "conveyor.schedulerHost" (list $ $p)) (int $.Values.scheduler.port)) -}}
+{{- end -}}
+{{ join "," $addrs }}
 {{- end }}
 
 {{- define "conveyor.redisSecretName" -}}

@@ -1,0 +1,306 @@
+"""The router's pipelines: one `SchedulerClient` (channel + session) per scheduler, a routing
+policy to pick one per request, and resumes that follow a request to the pipeline that owns
+it (docs/scale-out.md).
+
+Pipelines come from `--scheduler`/`--schedulers` (static addresses; each one's pipeline id
+and block size are read once with GetStats) and, with `--redis-url`, from the schedulers'
+announcements (address, health, queue, cached prefix hashes), refreshed every
+`health_interval_s`.
+
+A request's stream that breaks (its scheduler restarted or is gone) or ends naming another
+owner (a Resume answered by a scheduler that does not run it; a pipeline that was adopted)
+is resumed from the last offset delivered: at the owner when known and reachable, else at any
+serving pipeline, whose answer names the owner. Offsets make it exact: no gap, no duplicate.
+A resume that finds nothing live (the owner is lost and not adopted yet) is tried again with
+backoff for up to `resume_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import PipelineUnavailable
+from services.common.pb import sampling_to_pb
+from services.common.proto.conveyor.v1 import scheduler_pb2
+from services.common.security import ClientSecurity
+from services.router.output import SchedulerDelta
+from services.router.request import PreparedRequest
+from services.router.routing import PipelineView, Router, RoutingPolicy
+from services.router.upstream import (
+    SchedulerClient,
+    StreamBroken,
+    delta_from_pb,
+    scheduler_error,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 2.0
+_TENANT_SALT = "tenant:{}"  # services/scheduler/request.py Request.cache_salt
+
+
+@dataclass(slots=True)
+class Pipeline:
+    """One scheduler as this router reaches it."""
+
+    client: SchedulerClient
+    view: PipelineView
+    pipeline_id: str | None = None
+    """Its --pipeline-id once known ("" for a lone pipeline)."""
+    is_static: bool = True
+    """From --scheduler(s): polled for health; else from an announcement."""
+
+
+class SchedulerPool:
+    """Every pipeline this router sends to; reads like one `SchedulerClient` to RouterCore."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        resume_timeout_s: float = 60.0,
+        security: ClientSecurity | None = None,
+        routing: RoutingPolicy | str = RoutingPolicy.PREFIX,
+        load_weight: float = 0.5,
+        discovery=None,
+    ):
+        """`discovery`: a callable returning the announcements (blocking: run in a thread),
+        or None for static addresses only."""
+        self.resume_timeout_s = resume_timeout_s
+        self.security = security or ClientSecurity()
+        self.router = Router(routing, load_weight)
+        self.pipelines: dict[str, Pipeline] = {}
+        """By scheduler address."""
+        self._discovery = discovery
+        self._owners: dict[tuple[str, str], str] = {}
+        """(principal, request id) -> address of the pipeline that runs it, while streaming
+        and until its abort."""
+        for address in addresses:
+            self._add(address, is_static=True)
+
+    @property
+    def address(self) -> str:
+        return ",".join(self.pipelines) or "(none discovered yet)"
+
+    def _add(self, address: str, is_static: bool) -> Pipeline:
+        pipeline = self.pipelines.get(address)
+        if pipeline is None:
+            client = SchedulerClient(address, self.resume_timeout_s, self.security)
+            pipeline = Pipeline(client, PipelineView(address), is_static=is_static)
+            self.pipelines[address] = pipeline
+        return pipeline
+
+    def by_id(self, pipeline_id: str) -> Pipeline | None:
+        for pipeline in self.pipelines.values():
+            if pipeline.pipeline_id == pipeline_id:
+                return pipeline
+        return None
+
+    # ------------------------------------------------------------------ health, discovery
+    async def is_serving(self, timeout_s: float = 1.0) -> bool:
+        """Refreshes every pipeline's state; True when at least one serves."""
+        await self.refresh(timeout_s)
+        return any(p.view.serving for p in self.pipelines.values())
+
+    async def refresh(self, timeout_s: float = 1.0) -> None:
+        if self._discovery is not None:
+            try:
+                announcements = await asyncio.to_thread(self._discovery)
+            except Exception as exc:  # noqa: BLE001 - Redis down: keep what is known
+                logger.warning("cannot read the pipelines' announcements: %s", exc)
+                announcements = None
+            if announcements is not None:
+                self._apply(announcements)
+        static = [p for p in self.pipelines.values() if p.is_static]
+        await asyncio.gather(*(self._poll(p, timeout_s) for p in static))
+
+    def _apply(self, announcements) -> None:
+        seen = set()
+        for ann in announcements:
+            pipeline = self._add(ann.address, is_static=False)
+            seen.add(ann.address)
+            pipeline.pipeline_id = ann.pipeline_id
+            view = pipeline.view
+            if not pipeline.is_static:
+                view.serving = ann.serving
+            view.num_queued = ann.num_waiting + ann.num_running
+            view.block_size, view.cache_epoch = ann.block_size, ann.cache_epoch
+            view.prefix_hashes = ann.prefix_hashes
+        for address, pipeline in self.pipelines.items():
+            if not pipeline.is_static and address not in seen:
+                pipeline.view.serving = False  # its announcement expired: lost
+
+    async def _poll(self, pipeline: Pipeline, timeout_s: float) -> None:
+        view = pipeline.view
+        view.serving = await pipeline.client.is_serving(timeout_s)
+        if view.serving and (pipeline.pipeline_id is None or not view.block_size):
+            stats = await pipeline.client.stats(timeout_s)
+            if stats is not None:
+                pipeline.pipeline_id = stats.pipeline_id
+                view.block_size = view.block_size or stats.block_size
+
+    async def stats(self) -> list[scheduler_pb2.SchedulerStats]:
+        """GetStats of every pipeline that answers (bench, tests)."""
+        found = await asyncio.gather(*(p.client.stats(5.0) for p in self.pipelines.values()))
+        return [s for s in found if s is not None]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.client.close() for p in self.pipelines.values()))
+
+    # ------------------------------------------------------------------ requests
+    def abort(self, request_id: str, principal: str = "", owner_token: str = "") -> None:
+        """Aborts a request at the pipeline that runs it (see SchedulerClient.abort)."""
+        address = self._owners.pop((principal, request_id), None)
+        pipeline = self.pipelines.get(address) if address else None
+        targets = [pipeline] if pipeline else list(self.pipelines.values())
+        for target in targets:
+            target.client.abort(request_id, principal, owner_token)
+
+    async def stream(
+        self,
+        req: PreparedRequest,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> AsyncIterator[SchedulerDelta]:
+        """Submits `req` to the pipeline the policy picks and yields its deltas until one
+        carries a finish reason, following the request wherever it runs."""
+        views = [p.view for p in self.pipelines.values()]
+        salt = _TENANT_SALT.format(req.tenant or "default")
+        view = self.router.choose(views, req.prompt_ids, salt)
+        if view is None:
+            raise PipelineUnavailable(
+                f"no pipeline is serving (schedulers: {self.address}): retry when "
+                "`conveyor health` reports SERVING"
+            )
+        pipeline = self.pipelines[view.key]
+        key = (req.principal, req.request_id)
+        self._owners[key] = view.key
+        submit = scheduler_pb2.SessionRequest(
+            submit=scheduler_pb2.SubmitRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_ids,
+                sampling=sampling_to_pb(req.sampling),
+                priority=req.priority,
+                tenant=req.tenant,
+                principal=req.principal,
+                owner_token=req.owner_token,
+            ),
+            traceparent=dict(metadata or ()).get("traceparent", ""),
+        )
+        call = pipeline.client.open(submit)
+        pipeline.view.num_inflight += 1
+        is_counted = True  # counted in `pipeline`'s open streams
+        resumer = _Resumer(self, req)
+        pending = None  # a message the resume already read from `call`
+        next_offset, has_output, is_done = 0, False, False
+        try:
+            while True:
+                try:
+                    while True:
+                        msg = await call.read() if pending is None else pending
+                        pending = None
+                        if msg is grpc.aio.EOF:
+                            raise StreamBroken("the stream ended before the request finished")
+                        if msg.owner_pipeline_id:
+                            resumer.owner_id = msg.owner_pipeline_id
+                        else:
+                            resumer.progressed()
+                        delta = delta_from_pb(msg, next_offset)
+                        has_output = True
+                        next_offset = delta.offset + len(delta.token_ids)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            is_done = True
+                            return
+                except (grpc.aio.AioRpcError, StreamBroken) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and (
+                        exc.code() is not grpc.StatusCode.UNAVAILABLE
+                    ):
+                        raise scheduler_error(exc) from exc
+                    call.cancel()
+                    pipeline.view.num_inflight -= 1
+                    is_counted = False
+                    resumer.failed = pipeline
+                    pipeline, call, pending = await resumer.resume(next_offset, exc, has_output)
+                    pipeline.view.num_inflight += 1
+                    is_counted = True
+                    self._owners[key] = pipeline.view.key
+        finally:
+            call.cancel()
+            if is_counted:
+                pipeline.view.num_inflight -= 1
+            if is_done:
+                self._owners.pop(key, None)
+
+
+class _Resumer:
+    """Finds where a broken stream continues: the owner, or whoever can name it."""
+
+    def __init__(self, pool: SchedulerPool, req: PreparedRequest):
+        self.pool = pool
+        self.req = req
+        self.owner_id: str | None = None
+        """The pipeline a scheduler last named as the request's owner."""
+        self.failed: Pipeline | None = None
+        self._stalled_since: float | None = None
+        self._delay = 0.0
+
+    def progressed(self) -> None:
+        """A live message arrived: the next break starts a fresh resume."""
+        self._stalled_since = None
+        self._delay = 0.0
+
+    def _candidates(self) -> list[Pipeline]:
+        owner = self.pool.by_id(self.owner_id) if self.owner_id is not None else None
+        others = [
+            p for p in self.pool.pipelines.values() if p is not owner and p is not self.failed
+        ]
+        others.sort(key=lambda p: not p.view.serving)
+        tail = [self.failed] if self.failed is not None and self.failed is not owner else []
+        return ([owner] if owner else []) + others + tail
+
+    async def resume(
+        self, offset: int, cause: Exception, has_output: bool
+    ) -> tuple[Pipeline, object, scheduler_pb2.TokenDelta]:
+        """(pipeline, stream, its first message) of a resume a scheduler accepted. Only the
+        request this Submit created is resumed (its owner token): a Submit refused while
+        another request with its id runs finds nothing (NOT_FOUND), never the other's
+        tokens."""
+        req = self.req
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            logger.info("stream of %s broke at offset %d; resuming", req.request_id, offset)
+        resume = scheduler_pb2.ResumeRequest(
+            request_id=req.request_id,
+            from_offset=offset,
+            principal=req.principal,
+            owner_token=req.owner_token,
+        )
+        while True:
+            if time.monotonic() - self._stalled_since > self.pool.resume_timeout_s:
+                raise PipelineUnavailable(
+                    f"lost the scheduler(s) at {self.pool.address} and could not resume "
+                    f"request {req.request_id} within {self.pool.resume_timeout_s:.0f} s; "
+                    "retry the request"
+                )
+            if self._delay:
+                await asyncio.sleep(self._delay)
+            self._delay = min(max(2 * self._delay, 0.1), _MAX_BACKOFF_S)
+            for pipeline in self._candidates():
+                call = pipeline.client.open(scheduler_pb2.SessionRequest(resume=resume))
+                try:
+                    return pipeline, call, await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    call.cancel()
+                    if exc.code() is grpc.StatusCode.NOT_FOUND and not has_output:
+                        # The scheduler never took the request: report why Submit failed.
+                        if isinstance(cause, grpc.aio.AioRpcError):
+                            raise scheduler_error(cause) from cause
+                        raise scheduler_error(exc) from exc
+                    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise scheduler_error(exc) from exc

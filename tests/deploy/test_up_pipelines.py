@@ -1,0 +1,53 @@
+"""`conveyor up --pipelines N`: the children it starts (recorded, not run): N schedulers with
+their own workers and rendezvous, named p0.., one Redis, a router over all of them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services import launcher
+from services.common.errors import ConfigError
+from tests.deploy.utils import flags
+
+
+def started(monkeypatch, *argv: str) -> list[tuple[str, list[str]]]:
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--redis-url", "redis://127.0.0.1:1/0", *argv])
+    spawned = []
+    monkeypatch.setattr(launcher, "wait_serving", lambda *a, **k: None)
+    monkeypatch.setattr(
+        launcher.Stack, "spawn", lambda self, name, cmd, env=None: spawned.append((name, cmd))
+    )
+    launcher.start_stack(args, launcher.Stack())
+    return spawned
+
+
+def test_two_pipelines_get_their_own_scheduler_workers_and_rendezvous(monkeypatch):
+    spawned = started(monkeypatch, "--pipelines", "2", "--stages", "2", "--cpu-affinity", "off")
+    schedulers = [flags(cmd) for name, cmd in spawned if cmd[0] == "scheduler"]
+    workers = [flags(cmd) for name, cmd in spawned if cmd[0] == "worker"]
+    (router,) = [flags(cmd) for name, cmd in spawned if cmd[0] == "router"]
+    assert [s["--pipeline-id"] for s in schedulers] == ["p0", "p1"]
+    assert len(workers) == 4 and len({w["--dist-addr"] for w in workers}) == 2
+    worker_addrs = [s["--workers"].split(",") for s in schedulers]
+    assert not set(worker_addrs[0]) & set(worker_addrs[1])
+    assert {s["--redis-url"] for s in schedulers} == {"redis://127.0.0.1:1/0"}
+    addresses = [s["--advertise-address"] for s in schedulers]
+    assert router["--schedulers"].split(",") == addresses
+    assert router["--redis-url"] == "redis://127.0.0.1:1/0"
+
+
+def test_one_pipeline_starts_as_before(monkeypatch):
+    spawned = started(monkeypatch, "--stages", "1")
+    (scheduler,) = [flags(cmd) for _, cmd in spawned if cmd[0] == "scheduler"]
+    (router,) = [flags(cmd) for _, cmd in spawned if cmd[0] == "router"]
+    assert "--pipeline-id" not in scheduler and "--scheduler" in router
+    assert [name for name, _ in spawned] == ["worker 0", "scheduler", "router"]
+
+
+def test_zero_pipelines_is_refused(monkeypatch):
+    with pytest.raises(ConfigError, match="--pipelines=0"):
+        started(monkeypatch, "--pipelines", "0")

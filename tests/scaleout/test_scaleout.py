@@ -1,0 +1,135 @@
+"""Two pipelines behind the routers (docs/scale-out.md), real processes end to end: greedy
+output as one pipeline's (HF's), prefix routing's cache hits against round-robin's, and a
+pipeline lost for good under 32 streams whose requests another pipeline adopts.
+
+The test that kills a pipeline runs last: the stack is shared (tests/scaleout/conftest.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+from services.common.proto.conveyor.v1 import common_pb2
+from tests.faults.utils import wait_until
+from tests.scaleout.conftest import MAX_TOKENS
+from tests.scaleout.utils import SERVING, health, run_streams
+from tests.worker.utils import compare_greedy
+
+TIE_MARGIN = 1e-4  # a flip to HF's 2nd choice is accepted only below this top-2 margin
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+def check_greedy(outcomes, prompts_index, reference) -> None:
+    ref_tokens, ref_logits = reference
+    for outcome, i in zip(outcomes, prompts_index, strict=True):
+        assert outcome.error is None, outcome
+        assert outcome.finish_reason == LENGTH and outcome.offsets_ok, outcome
+        assert len(outcome.token_ids) == MAX_TOKENS
+        compare_greedy(outcome.token_ids, ref_tokens[i], ref_logits[i], TIE_MARGIN)
+
+
+def test_two_pipelines_greedy_equals_one(stack, prompts, reference):
+    """Round-robin spreads the prompts over both pipelines; every output is HF's greedy
+    one, as a single pipeline's is."""
+    before = [p.stats().num_prefix_queried_tokens for p in stack.pipelines]
+    outcomes = run_streams(stack.routers["round-robin"], prompts, MAX_TOKENS)
+    check_greedy(outcomes, range(len(prompts)), reference)
+    after = [p.stats().num_prefix_queried_tokens for p in stack.pipelines]
+    assert all(a > b for a, b in zip(after, before, strict=True)), "a pipeline got nothing"
+
+
+def prefix_workload(seed: int, num_prefixes: int = 7, rounds: int = 3) -> list[list[int]]:
+    """`rounds` passes over `num_prefixes` prompts of a 128-token shared prefix (8 blocks)
+    and an 8-token unique suffix. 7 prefixes x 8 blocks = 56 blocks: more than one
+    pipeline's 45, fewer than both's 90. Odd, so that round-robin shows every prefix to
+    both pipelines."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(num_prefixes)]
+    return [
+        prefix + [rng.randrange(1000, 40000) for _ in range(8)]
+        for _ in range(rounds)
+        for prefix in prefixes
+    ]
+
+
+def hit_rate(stack, router: str, prompts: list[list[int]]) -> float:
+    """Prefix-cache hit rate (hit / queried prompt tokens, both pipelines) of `prompts`
+    sent one after the other through `router`."""
+    hit0, queried0 = stack.prefix_counters()
+    for prompt in prompts:
+        (outcome,) = run_streams(router, [prompt], 2)
+        assert outcome.error is None and outcome.finish_reason == LENGTH, outcome
+    hit1, queried1 = stack.prefix_counters()
+    return (hit1 - hit0) / (queried1 - queried0)
+
+
+def test_prefix_routing_hits_the_cache_more_than_round_robin(stack):
+    """Counters, not timings: the same workload shape (fresh prefixes for each router)
+    hits the prefix caches at least 1.5x as often when routed by prefix."""
+    round_robin = hit_rate(stack, stack.routers["round-robin"], prefix_workload(1))
+    prefix = hit_rate(stack, stack.routers["prefix"], prefix_workload(2))
+    print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, prefix {prefix:.3f}")
+    assert prefix >= 1.5 * round_robin
+    assert prefix > 0.5  # every prefix after its first pass, on the pipeline that holds it
+
+
+def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):
+    """p1's worker dies mid-run; its scheduler lives on, NOT_SERVING. Past the grace period
+    p0 adopts its requests, p1 lets them go (their streams end naming p0) and the router
+    resumes them there. Then p1's worker comes back and p1 serves again, empty."""
+    lost = stack.pipelines[1]
+    held = {}
+
+    def kill_worker():
+        stats = lost.stats()
+        held["requests"] = stats.num_running + stats.num_waiting
+        lost.kill("worker")
+
+    outcomes = run_streams(stack.routers["prefix"], prompts, MAX_TOKENS, kill_worker, 24)
+    assert held["requests"] > 0, "p1 held no request: nothing was adopted"
+    check_greedy(outcomes, range(len(prompts)), reference)
+    client = stack.redis.client()
+    assert client.zcard("conveyor:unfinished:p1") == 0
+    stack.restart(lost, "worker")
+    wait_until(lambda: health(lost.scheduler) == SERVING, 180, 0.5)
+    stats = lost.stats()
+    assert stats.num_running + stats.num_waiting == 0
+    wait_routed_to(stack, "prefix", lost, prompts[0])
+
+
+def wait_routed_to(stack, routing: str, pipeline, prompt: list[int]) -> None:
+    """Until the router sends requests to `pipeline` again (it polls health each second)."""
+    before = pipeline.stats().num_prefix_queried_tokens
+
+    def routed() -> bool:
+        (outcome,) = run_streams(stack.routers[routing], [prompt], 1)
+        assert outcome.error is None, outcome
+        return pipeline.stats().num_prefix_queried_tokens > before
+
+    wait_until(routed, 60, 0.2)
+
+
+def test_lost_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):
+    """32 streams through the prefix router; one pipeline is killed for good mid-run. Its
+    announcement expires, the other pipeline adopts its requests from Redis and recomputes
+    them, and the router resumes each stream there: every stream ends with HF's tokens, no
+    gap and no duplicate."""
+    lost, survivor = stack.pipelines[1], stack.pipelines[0]
+    index = list(range(len(prompts))) * 2
+    held = {}
+
+    def kill():
+        stats = lost.stats()
+        held["requests"] = stats.num_running + stats.num_waiting
+        lost.kill()
+
+    outcomes = run_streams(
+        stack.routers["prefix"], [prompts[i] for i in index], MAX_TOKENS, kill, after_tokens=48
+    )
+    assert held["requests"] > 0, "the killed pipeline held no request: nothing was adopted"
+    check_greedy(outcomes, index, reference)
+    client = stack.redis.client()
+    wait_until(lambda: client.smembers("conveyor:pipelines") == {b"p0"}, 30)
+    assert client.zcard("conveyor:unfinished:p1") == 0
+    assert survivor.stats().serving

@@ -30,6 +30,7 @@ EXPECTED_PAGES = {
     "performance.md",
     "security.md",
     "simulation.md",
+    "speculative-decoding.md",
     "tensor-parallel.md",
     "training.md",
 }

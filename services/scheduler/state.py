@@ -29,6 +29,12 @@ class TokenDelta:
     """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
     weight_version: int = 0
     """The weights serving the request when the delta was sent (UpdateWeights)."""
+    num_spec_steps: int = 0
+    """Speculative decoding, the request's counts so far: steps with proposed tokens,"""
+    num_spec_draft_tokens: int = 0
+    """tokens proposed,"""
+    num_spec_accepted_tokens: int = 0
+    """and proposed tokens the model confirmed."""
 
 
 @dataclass(slots=True)

@@ -21,12 +21,12 @@ from services.common.step import StepPlan, StepResult
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculative import (
-    SpeculativeConfig,
     SpecStats,
+    SpeculativeConfig,
     next_num_tokens,
     propose_ngram,
 )
-from tests.scheduler.utils import Trace, drive, fake_token, make_config, make_request
+from tests.scheduler.utils import Trace, collect, drive, fake_token, make_config, make_request
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
 
@@ -305,8 +305,6 @@ def test_speculative_step_in_flight_when_preempted_or_aborted(scheduling):
     by_id = {r.request_id: r for r in (kept, aborted)}
     workers = SpecWorkers(by_id, config.is_async, config.block_size)
     trace = Trace()
-    from tests.scheduler.utils import collect
-
     collect(trace, scheduler.process_result(workers.run(scheduler.schedule())))
     step = scheduler.schedule()
     assert all(e.spec_token_ids for e in step.cached_requests)

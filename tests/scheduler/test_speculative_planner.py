@@ -156,7 +156,7 @@ class SpecWorkers:
         return StepResult(plan.step_id, ids, tokens)
 
     def _compute(self, request_id, seq, num_new, spec, ids, tokens) -> None:
-        start, end = seq.num_computed, seq.num_computed + num_new
+        end = seq.num_computed + num_new
         assert end <= len(seq.token_ids), f"{request_id}: computing tokens it does not know"
         slots = end + len(spec)
         assert len(seq.block_ids) * self.block_size >= slots, f"{request_id}: no KV slot"

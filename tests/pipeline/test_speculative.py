@@ -154,3 +154,55 @@ def test_speculative_stops_inside_an_accepted_run(tied_model, redis_url):
     _, plain = run(tied_model, prompts, sampling, 1, "sync", redis_url, None)
     assert tokens == plain
     assert [len(t) for t in tokens] == [1, 5, 7]
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_abort_with_a_speculative_step_in_flight(scheduling, tied_model, redis_url):
+    """The abort lands right after a plan carrying r0's proposals went to the stages: the
+    step's tokens for r0 are dropped, its blocks freed, the other request is unaffected."""
+    prompts = repeating_prompts(2, seed=5)
+    sampling = [greedy()] * 2
+    _, plain = run(tied_model, prompts, sampling, 2, scheduling, redis_url, None)
+
+    async def main():
+        async with InProcessStack(tied_model, 2, scheduling, redis_url, speculative=SPEC) as stack:
+            send, aborted_at = stack.pipeline.send, []
+
+            async def send_then_abort(plan_bytes: bytes) -> None:
+                await send(plan_bytes)
+                plan = stack.pipeline.plans[-1]
+                has_spec = any(
+                    c.request_id == "r0" and c.spec_token_ids for c in plan.cached_requests
+                )
+                if has_spec and not aborted_at and len(stack.pipeline.plans) > 3:
+                    aborted_at.append(plan.step_id)
+                    assert stack.service.abort("r0")
+
+            stack.pipeline.send = send_then_abort
+            outcomes = await stack.generate(prompts, sampling, ["r0", "r1"])
+            return stack, outcomes, aborted_at
+
+    stack, (aborted, other), aborted_at = asyncio.run(main())
+    assert aborted_at, "no speculative step of r0 was in flight to abort"
+    assert aborted.finish_reason == "abort"
+    assert aborted.token_ids == plain[0][: len(aborted.token_ids)]
+    assert len(aborted.token_ids) < NUM_NEW
+    assert other.token_ids == plain[1]
+    assert stack.pipeline.errors == []
+    assert stack.num_free_blocks == stack.num_blocks
+    # The report of the aborted step still listed r0's tokens; none reached the client.
+    (report,) = [r for r in stack.pipeline.results if r.step_id == aborted_at[0]]
+    assert "r0" in report.request_ids
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_under_preemption_keeps_the_tokens(scheduling, model, redis_url):
+    """A KV pool too small for every request: requests are preempted (with their proposed
+    slots) and recomputed, and the tokens are still those of plain decoding."""
+    model_dir, prompts, ref_tokens, _ = model
+    sampling = [greedy()] * len(prompts)
+    options = dict(num_blocks=8, block_size=8, max_model_len=64)
+    stack, tokens = run(model_dir, prompts, sampling, 2, scheduling, redis_url, SPEC, **options)
+    assert stack.service.scheduler.num_preemptions > 0
+    assert stack.service.scheduler.spec_stats.num_steps > 0
+    assert tokens == ref_tokens

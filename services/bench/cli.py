@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         choices=DATASETS,
         default="random",
-        help="random token prompts, or prompts sharing prefixes (default: random)",
+        help="random token prompts, prompts sharing prefixes, or prompts asking to repeat "
+        "a text (outputs copy the prompt: speculative decoding) (default: random)",
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default: 64)")
     parser.add_argument(
@@ -138,6 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     compare.add_argument(
         "--skip-hf", action="store_true", help="leave out the transformers baseline"
+    )
+    compare.add_argument(
+        "--speculative-config",
+        default=None,
+        help="with --compare: 2 stages async without and with this speculative decoding "
+        "config (JSON, as conveyor up's), instead of the scheduling modes",
     )
     compare.add_argument(
         "--peers",
@@ -241,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         from services.bench.sim_experiment import run_sim_compare
 
         return run_sim_compare(args)
+    if args.compare and args.speculative_config:
+        from services.bench.spec_compare import run_spec_compare
+
+        return run_spec_compare(args, _workload(args), options)
     if args.compare and args.peers:
         from services.bench.peer_compare import run_peer_compare
 

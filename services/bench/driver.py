@@ -53,12 +53,19 @@ async def token_pool(
     address: str, text: str = WORDS, security: ClientSecurity | None = None, backend: str = "grpc"
 ) -> list[int]:
     """The distinct ids the served tokenizer gives `text`: valid prompt ids for any model."""
+    return sorted(set(await tokenize(address, text, security, backend)))
+
+
+async def tokenize(
+    address: str, text: str, security: ClientSecurity | None = None, backend: str = "grpc"
+) -> list[int]:
+    """The ids the served tokenizer gives `text`, in order."""
     from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 
     if backend == "openai":
-        from services.bench.openai_driver import openai_token_pool
+        from services.bench.openai_driver import openai_tokenize
 
-        return await openai_token_pool(address, text, security)
+        return await openai_tokenize(address, text, security)
     security = security or ClientSecurity()
     async with security.channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -67,7 +74,7 @@ async def token_pool(
             timeout=30,
             metadata=security.with_metadata(None),
         )
-    return sorted(set(reply.token_ids))
+    return list(reply.token_ids)
 
 
 async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOutput:

@@ -238,7 +238,7 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
-    last_delta: TokenDelta | None = None
+    last_delta: TokenDelta | None = field(default=None, compare=False)
     """The last delta received (its cumulative per-request counts)."""
 
 

@@ -15,8 +15,11 @@ import random
 import pytest
 import torch
 
+from services.common.proto.conveyor.v1 import scheduler_pb2
 from services.common.sampling import SamplingParams
+from services.common.stats_cli import format_table, stats_to_dict
 from services.models.tiny import make_tiny_model
+from services.scheduler.observability import snapshot
 from services.scheduler.speculative import SpeculativeConfig
 from tests.pipeline.utils import InProcessStack
 from tests.worker.utils import compare_greedy, hf_greedy
@@ -127,6 +130,23 @@ def test_speculative_accepted_proposals_take_fewer_steps(
     assert sum(d.num_spec_draft_tokens for d in deltas) == stats.num_draft_tokens
     assert sum(d.num_spec_accepted_tokens for d in deltas) == stats.num_accepted_tokens
     assert all(d.num_spec_accepted_tokens > 0 for d in deltas)
+    # The same totals on the Prometheus endpoint and in `conveyor stats`.
+    snap = snapshot(stack.service)
+    assert (snap.num_spec_steps, snap.num_spec_draft_tokens, snap.num_spec_accepted_tokens) == (
+        stats.num_steps,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
+    msg = scheduler_pb2.SchedulerStats(
+        speculative_config=SPEC.to_json(),
+        num_spec_steps=stats.num_steps,
+        num_spec_draft_tokens=stats.num_draft_tokens,
+        num_spec_accepted_tokens=stats.num_accepted_tokens,
+        spec_acceptance_rate=stats.acceptance_rate,
+        spec_mean_accepted_length=stats.mean_accepted_length,
+    )
+    table = format_table(stats_to_dict(msg, top=0))
+    assert f"{stats.acceptance_rate:.1%} of {stats.num_draft_tokens} proposed" in table
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async"])

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) through the real scheduler service and stage engines.
 
 Checks what a user relies on: greedy tokens identical with and without speculation (and
-equal to Hugging Face), in sync and async mode, on 1 and 2 stages; seeded sampling gives
+equal to Hugging Face), in sync and async mode, on 1 to 3 stages; seeded sampling gives
 the very same tokens; proposals are actually accepted (the steps are fewer); a request
 aborted or preempted with a speculative step in flight leaves everything consistent.
 Harness: tests/pipeline/utils.py; design: docs/speculative-decoding.md.
@@ -89,8 +89,10 @@ def spec_entries(stack):
     return [c for plan in stack.pipeline.plans for c in plan.cached_requests if c.spec_token_ids]
 
 
-@pytest.mark.parametrize("num_stages", [1, 2])
-@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize(
+    ("num_stages", "scheduling"),
+    [(1, "sync"), (1, "async"), (2, "sync"), (2, "async"), (3, "async")],
+)
 def test_speculative_greedy_equals_plain_and_transformers(num_stages, scheduling, model, redis_url):
     model_dir, prompts, ref_tokens, ref_logits = model
     sampling = [greedy()] * len(prompts)

@@ -573,6 +573,8 @@ class Scheduler:
                 self.spec_stats.add(len(drafts), num_accepted)
                 self._adapt(request, len(drafts), num_accepted)
             request.num_computed_tokens += num_accepted
+            if self._charge is not None and num_accepted:
+                self._charge(request, num_accepted)  # their tokens were computed too
             for token_id, lp in zip(token_ids, logprobs, strict=True):
                 request.append_output(token_id)
                 finished = request.check_stop(self.config.max_model_len)

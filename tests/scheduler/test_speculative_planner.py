@@ -208,6 +208,7 @@ def workloads(draw):
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(2, 40)),
         max_model_len=max_model_len,
+        policy=draw(st.sampled_from(["fcfs", "priority", "fair"])),
         speculative=SpeculativeConfig(
             num_speculative_tokens=draw(st.integers(1, 5)),
             prompt_lookup_max=draw(st.integers(1, 4)),

@@ -319,3 +319,32 @@ def test_speculative_step_in_flight_when_preempted_or_aborted(scheduling):
     drive(scheduler, workers, 1, trace=trace)
     assert trace.outputs[kept.request_id] == expected_output(kept, config.max_model_len)
     assert scheduler.block_manager.num_free_blocks == config.num_blocks
+
+
+def test_speculative_config_flag_of_up_and_scheduler_names_the_mistake(capsys):
+    import argparse
+
+    from services import launcher
+    from services.scheduler import cli
+
+    up = argparse.ArgumentParser(prog="conveyor up")
+    launcher.add_arguments(up)
+    args = up.parse_args(["--model", "m", "--speculative-config", '{"num_speculative_tokens": 2}'])
+    assert SpeculativeConfig.from_json(args.speculative_config).num_speculative_tokens == 2
+    with pytest.raises(SystemExit):
+        up.parse_args(
+            [
+                "--model",
+                "m",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 40}',
+            ]
+        )
+    assert "num_speculative_tokens=40 is out of range" in capsys.readouterr().err
+    scheduler = argparse.ArgumentParser(prog="conveyor scheduler")
+    cli.add_arguments(scheduler)
+    args = scheduler.parse_args(["--workers", "w:1", "--speculative-config", "ngram"])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        cli.build_config(args)
+    args = scheduler.parse_args(["--workers", "w:1", "--speculative-config", '{"method": "ngram"}'])
+    assert cli.build_config(args).speculative == SpeculativeConfig()

@@ -103,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default: 0, greedy)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -243,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
             args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
         ),
         backend=args.backend,
+        temperature=args.temperature,
     )
     if args.compare and args.device == "sim":
         from services.bench.sim_experiment import run_sim_compare

@@ -43,10 +43,14 @@ class DriverOptions:
     """TLS to the router and the API key every request presents."""
     backend: str = "grpc"
     """"grpc": conveyor.v1.Generation; "openai": the HTTP API's /v1/completions."""
+    temperature: float = 0.0
+    """Sampling temperature of every request (0: greedy)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ConfigError(f"--temperature={self.temperature}: must be in [0, 2]")
 
 
 async def token_pool(
@@ -84,7 +88,7 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
     msg = build_request(
         token_ids=request.prompt_ids,
         max_tokens=request.output_len,
-        temperature=0.0,
+        temperature=options.temperature,
         ignore_eos=options.ignore_eos,
     )
     start = time.perf_counter()

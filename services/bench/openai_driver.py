@@ -92,7 +92,7 @@ async def _one(client, model: str, request: BenchRequest, options) -> RequestOut
             model=model,
             prompt=request.prompt_ids,
             max_tokens=request.output_len,
-            temperature=0,
+            temperature=options.temperature,
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": options.ignore_eos},

@@ -7,7 +7,8 @@ without and with speculative decoding, on this machine.
 Prints the TPOT and throughput ratios (speculative / plain) and the acceptance the
 scheduler measured; writes `spec-compare.json` under the results directory. Run it with
 `--dataset repeat` (outputs copy the prompt: proposals are accepted) and with
-`--dataset random` (little to propose: adaptivity must keep the cost small).
+`--dataset random --temperature 1` (sampled outputs rarely repeat: little is accepted, and
+adaptivity must keep the cost small).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SPEC = Mode("async-2stage-spec", "2 stages async + speculation", 2, "async", thr
 
 async def _bench(stack: RunningStack, requests: list[BenchRequest], options: DriverOptions):
     pool = await token_pool(stack.router)
-    quiet = DriverOptions(progress=False, ignore_eos=True)
+    quiet = DriverOptions(progress=False, ignore_eos=True, temperature=options.temperature)
     await run_benchmark(BenchTarget(stack.router, None, quiet), random_requests(pool, 4, 16, 8))
     alone = await run_benchmark(BenchTarget(stack.router, stack.scheduler, quiet), requests[:1])
     meter = CpuMeter([stack.proc.pid, os.getpid()])
@@ -78,6 +79,7 @@ def run_spec_compare(args: argparse.Namespace, workload: Workload, options: Driv
     report = {
         "workload": asdict(workload),
         "speculative_config": json.loads(args.speculative_config),
+        "temperature": options.temperature,
         "modes": {PLAIN.key: plain, SPEC.key: spec},
         "ratios": ratios,
     }

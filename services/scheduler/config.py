@@ -89,8 +89,9 @@ class SchedulerConfig:
     """Reuse KV blocks of identical prompt prefixes (`--enable-prefix-caching`)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps under the token budget (`--enable-chunked-prefill`)."""
-    policy: SchedulerPolicy = SchedulerPolicy.FCFS
-    """Waiting-queue order (`--scheduler-policy`)."""
+    policy: SchedulerPolicy = SchedulerPolicy.FAIR
+    """Waiting-queue order (`--scheduler-policy`). `fair` by default: with one tenant it is
+    arrival order, with several a tenant flooding the queue cannot starve the others."""
     scheduling: SchedulingMode = SchedulingMode.ASYNC
     """`--scheduling`."""
     num_stages: int = 1

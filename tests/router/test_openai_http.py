@@ -228,6 +228,7 @@ def test_http_malformed_requests_get_openai_errors(fake, http_router):
     url = f"{http_router.http}/v1/completions"
     status, body = get(url, KEY, b'{"prompt": "x", ')
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in body["error"]["message"] and body["error"]["param"] is None
     status, body = get(url, KEY, json.dumps({"prompt": "x", "n": 0}).encode())
     assert status == 400 and body["error"]["param"] == "n"
     status, body = get(url, KEY, json.dumps({"model": MODEL}).encode())

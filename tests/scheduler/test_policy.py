@@ -71,3 +71,15 @@ def test_policy_fcfs_is_not_fair():
         scheduler.add_request(make_request(f"a{i}", tenant="A", arrival_time=float(i)))
     scheduler.add_request(make_request("b0", tenant="B", arrival_time=100.0))
     assert _admission_order(scheduler)[-1] == "b0"
+
+
+def test_policy_default_is_fair_across_tenants():
+    # A deployment with several API keys gets fair share without configuring it; one
+    # tenant alone still gets arrival order.
+    scheduler = Scheduler(make_config(max_num_seqs=1, max_waiting=1000))
+    for i in range(20):
+        scheduler.add_request(make_request(f"a{i}", tenant="A", arrival_time=float(i)))
+    scheduler.add_request(make_request("b0", tenant="B", arrival_time=100.0))
+    order = _admission_order(scheduler)
+    assert order.index("b0") < 3, order
+    assert [r for r in order if r.startswith("a")] == [f"a{i}" for i in range(20)]

@@ -58,6 +58,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     the schema."""
     parts, param = [], None
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", character offset)
+            where = error.get("loc", ("body", "?"))[-1]
+            reason = error.get("ctx", {}).get("error", "JSON decode error")
+            return f"the request body is not valid JSON: {reason} at character {where}", None
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
         name = ".".join(loc) or "body"
         param = param or name

@@ -12,7 +12,7 @@ keeps the prefix it would have sampled itself (docs/speculative-decoding.md).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from services.common.errors import ConfigError
 
@@ -36,14 +36,8 @@ class SpeculativeConfig:
     probe_interval: int = 16
     """Output tokens a request decodes without speculation once its k fell to 0, before it
     tries again with k = 1."""
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.extra:
-            raise ConfigError(
-                f"--speculative-config: unknown key(s) {sorted(self.extra)}; known: "
-                f"{sorted(f.name for f in fields(self) if f.name != 'extra')}"
-            )
         if self.method != "ngram":
             raise ConfigError(
                 f'--speculative-config: method={self.method!r} is not built; use "ngram" '
@@ -73,16 +67,16 @@ class SpeculativeConfig:
                 "--speculative-config: a draft model proposer is not available yet; use "
                 '"method": "ngram"'
             )
-        known = {f.name for f in fields(cls)} - {"extra"}
-        return cls(
-            **{k: v for k, v in values.items() if k in known},
-            extra={k: v for k, v in values.items() if k not in known},
-        )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**values)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        )
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def _in_range(name: str, value, low: int, high: int) -> None:

@@ -398,6 +398,17 @@ def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
     return argv
 
 
+def _speculative_config(text: str) -> str:
+    """--speculative-config is checked before any process starts (the scheduler parses it
+    again); a bad one is a usage error naming what is wrong."""
+    from services.scheduler.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text).to_json()
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument(
@@ -446,6 +457,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["async", "sync"],
         default="async",
         help="scheduling mode (default: async)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        type=_speculative_config,
+        help='speculative decoding, passed to the scheduler: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)',
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -710,6 +728,8 @@ def _spawn_pipeline(
         args.scheduling,
         *args.scheduler_args,
     ]
+    if args.speculative_config:
+        argv += ["--speculative-config", args.speculative_config]
     suffix = f".{name}" if name else ""  # one file per pipeline
     if args.timeline:
         argv += ["--timeline", args.timeline + suffix]

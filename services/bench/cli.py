@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         choices=DATASETS,
         default="random",
-        help="random token prompts, or prompts sharing prefixes (default: random)",
+        help="random token prompts, prompts sharing prefixes, or prompts asking to repeat "
+        "a text (outputs copy the prompt: speculative decoding) (default: random)",
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default: 64)")
     parser.add_argument(
@@ -101,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="generate exactly --output-len tokens (default: on)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default: 0, greedy)",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -162,6 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     compare.add_argument(
         "--skip-hf", action="store_true", help="leave out the transformers baseline"
+    )
+    compare.add_argument(
+        "--speculative-config",
+        default=None,
+        help="with --compare: 2 stages async without and with this speculative decoding "
+        "config (JSON, as conveyor up's), instead of the scheduling modes",
     )
     compare.add_argument(
         "--peers",
@@ -260,11 +273,16 @@ def run(args: argparse.Namespace) -> int:
             args.tls_ca, args.tls_cert, args.tls_key, os.environ.get(ENV_API_KEY) or None
         ),
         backend=args.backend,
+        temperature=args.temperature,
     )
     if args.compare and args.device == "sim":
         from services.bench.sim_experiment import run_sim_compare
 
         return run_sim_compare(args)
+    if args.compare and args.speculative_config:
+        from services.bench.spec_compare import run_spec_compare
+
+        return run_spec_compare(args, _workload(args), options)
     if args.compare and args.peers:
         from services.bench.peer_compare import run_peer_compare
 

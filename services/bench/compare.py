@@ -27,7 +27,7 @@ from services.bench.datasets import BenchRequest, random_requests
 from services.bench.driver import DriverOptions, token_pool
 from services.bench.plot import plot_trace
 from services.bench.report import grid
-from services.bench.run import BenchTarget, Workload, run_benchmark
+from services.bench.run import BenchTarget, Workload, build_requests, run_benchmark
 from services.bench.stack import Mode, RunningStack, start_stack
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _run_mode(
     stack = start_stack(model_dir, mode, results_dir, extra_args=extra_args)
     try:
         if requests is None:
-            requests = workload.build(asyncio.run(token_pool(stack.router)))
+            requests = asyncio.run(build_requests(stack.router, workload))
         print(f"--- {mode.label}: {len(requests)} requests", flush=True)
         result = asyncio.run(_bench_mode(stack, requests, options, workload.seed))
     finally:

@@ -7,6 +7,9 @@ same workload runs against any model without knowing its vocabulary.
     random:  prompt i = input_len_i random ids;        input_len_i  ~ U[L(1-r), L(1+r)]
     prefix:  prompt i = prefix[i % num_prefixes] + input_len_i random ids
              (the prefixes are prefix_len ids each, shared, to exercise the prefix cache)
+    repeat:  prompt i = "Repeat the following text..." + text_i + "... Repeated text:"
+             (text_i = input_len_i random ids; the output copies it: what speculative
+             decoding's prompt lookup is for)
 """
 
 from __future__ import annotations
@@ -94,6 +97,27 @@ def prefix_requests(
         BenchRequest(prefixes[i % num_prefixes] + r.prompt_ids, r.output_len)
         for i, r in enumerate(suffixed)
     ]
+
+
+REPEAT_HEAD = "Repeat the following text exactly, word for word.\n\nText: "
+REPEAT_TAIL = "\n\nRepeated text: "
+"""The instruction around a repeat prompt's text (tokenized by the served tokenizer)."""
+
+
+def repeat_requests(
+    token_pool: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    head_ids: list[int],
+    tail_ids: list[int],
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Prompts asking to repeat a text of `input_len` (± range_ratio) random ids: the
+    instruction's ids `head_ids`, the text, then `tail_ids`."""
+    texts = random_requests(token_pool, num_prompts, input_len, output_len, range_ratio, seed)
+    return [BenchRequest(head_ids + r.prompt_ids + tail_ids, r.output_len) for r in texts]
 
 
 def arrival_gaps(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:

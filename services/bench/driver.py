@@ -43,22 +43,33 @@ class DriverOptions:
     """TLS to the router and the API key every request presents."""
     backend: str = "grpc"
     """"grpc": conveyor.v1.Generation; "openai": the HTTP API's /v1/completions."""
+    temperature: float = 0.0
+    """Sampling temperature of every request (0: greedy)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ConfigError(f"--temperature={self.temperature}: must be in [0, 2]")
 
 
 async def token_pool(
     address: str, text: str = WORDS, security: ClientSecurity | None = None, backend: str = "grpc"
 ) -> list[int]:
     """The distinct ids the served tokenizer gives `text`: valid prompt ids for any model."""
+    return sorted(set(await tokenize(address, text, security, backend)))
+
+
+async def tokenize(
+    address: str, text: str, security: ClientSecurity | None = None, backend: str = "grpc"
+) -> list[int]:
+    """The ids the served tokenizer gives `text`, in order."""
     from services.common.proto.conveyor.v1 import generation_pb2, generation_pb2_grpc
 
     if backend == "openai":
-        from services.bench.openai_driver import openai_token_pool
+        from services.bench.openai_driver import openai_tokenize
 
-        return await openai_token_pool(address, text, security)
+        return await openai_tokenize(address, text, security)
     security = security or ClientSecurity()
     async with security.channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -67,7 +78,7 @@ async def token_pool(
             timeout=30,
             metadata=security.with_metadata(None),
         )
-    return sorted(set(reply.token_ids))
+    return list(reply.token_ids)
 
 
 async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOutput:
@@ -77,7 +88,7 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
     msg = build_request(
         token_ids=request.prompt_ids,
         max_tokens=request.output_len,
-        temperature=0.0,
+        temperature=options.temperature,
         ignore_eos=options.ignore_eos,
     )
     start = time.perf_counter()

@@ -40,6 +40,13 @@ async def openai_token_pool(
     address: str, text: str = WORDS, security: ClientSecurity | None = None
 ) -> list[int]:
     """The distinct ids the served tokenizer gives `text` (POST /tokenize)."""
+    return sorted(set(await openai_tokenize(address, text, security)))
+
+
+async def openai_tokenize(
+    address: str, text: str, security: ClientSecurity | None = None
+) -> list[int]:
+    """The ids the served tokenizer gives `text`, in order (POST /tokenize)."""
     security = security or ClientSecurity()
     _check_plaintext(security)
     request = urllib.request.Request(
@@ -52,7 +59,7 @@ async def openai_token_pool(
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
 
-    return sorted(set((await asyncio.to_thread(post))["tokens"]))
+    return list((await asyncio.to_thread(post))["tokens"])
 
 
 @contextlib.asynccontextmanager
@@ -85,7 +92,7 @@ async def _one(client, model: str, request: BenchRequest, options) -> RequestOut
             model=model,
             prompt=request.prompt_ids,
             max_tokens=request.output_len,
-            temperature=0,
+            temperature=options.temperature,
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": options.ignore_eos},

@@ -20,8 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.bench.driver import DriverOptions, token_pool
-from services.bench.run import BenchTarget, Workload, run_benchmark
+from services.bench.driver import DriverOptions
+from services.bench.run import BenchTarget, Workload, build_requests, run_benchmark
 from services.bench.stack import Mode, start_stack
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def main() -> int:
         workload = Workload(
             num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len
         )
-        requests = workload.build(asyncio.run(token_pool(stack.router)))
+        requests = asyncio.run(build_requests(stack.router, workload))
         quiet = BenchTarget(stack.router, None, DriverOptions(progress=False))
         asyncio.run(run_benchmark(quiet, requests[:4]))  # warm-up
         spies = {}

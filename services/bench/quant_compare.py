@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 
 from services.bench.compare import _bench_mode
-from services.bench.driver import DriverOptions, token_pool
-from services.bench.run import Workload
+from services.bench.driver import DriverOptions
+from services.bench.run import Workload, build_requests
 from services.bench.stack import Mode, start_stack
 
 SPEED = {  # key -> worker flags
@@ -53,7 +53,7 @@ def run_speed(args, results_dir: Path) -> dict[str, dict]:
         mode = Mode(key, key, stages=args.stages, scheduling="async", threads=args.threads)
         stack = start_stack(args.model, mode, results_dir, extra_args=flags)
         try:
-            requests = requests or workload.build(asyncio.run(token_pool(stack.router)))
+            requests = requests or asyncio.run(build_requests(stack.router, workload))
             print(f"--- {key}: {len(requests)} requests", flush=True)
             results[key] = asyncio.run(_bench_mode(stack, requests, options, workload.seed))
         finally:

@@ -5,15 +5,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from services.bench.datasets import BenchRequest, arrival_gaps, prefix_requests, random_requests
-from services.bench.driver import DriverOptions, run_requests, token_pool
+from services.bench.datasets import (
+    REPEAT_HEAD,
+    REPEAT_TAIL,
+    BenchRequest,
+    arrival_gaps,
+    prefix_requests,
+    random_requests,
+    repeat_requests,
+)
+from services.bench.driver import DriverOptions, run_requests, token_pool, tokenize
 from services.bench.metrics import summarize
 from services.bench.stats import SchedulerProbe
 from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "prefix")
+DATASETS = ("random", "prefix", "repeat")
 
 
 @dataclass(slots=True)
@@ -37,7 +45,22 @@ class Workload:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
-    def build(self, pool: list[int]) -> list[BenchRequest]:
+    def build(
+        self, pool: list[int], repeat_ids: tuple[list[int], list[int]] = ([], [])
+    ) -> list[BenchRequest]:
+        """The requests; `repeat_ids`: the repeat dataset's instruction (head, tail) ids."""
+        if self.dataset == "repeat":
+            head, tail = repeat_ids
+            return repeat_requests(
+                pool,
+                self.num_prompts,
+                self.input_len,
+                self.output_len,
+                head,
+                tail,
+                self.range_ratio,
+                self.seed,
+            )
         if self.dataset == "prefix":
             return prefix_requests(
                 pool,
@@ -72,7 +95,14 @@ async def build_requests(
     backend: str = "grpc",
 ) -> list[BenchRequest]:
     """The workload's requests, with prompt ids the served tokenizer produces."""
-    return workload.build(await token_pool(server, security=security, backend=backend))
+    pool = await token_pool(server, security=security, backend=backend)
+    repeat_ids: tuple[list[int], list[int]] = ([], [])
+    if workload.dataset == "repeat":
+        repeat_ids = (
+            await tokenize(server, REPEAT_HEAD, security, backend),
+            await tokenize(server, REPEAT_TAIL, security, backend),
+        )
+    return workload.build(pool, repeat_ids)
 
 
 async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed: int = 0) -> dict:

@@ -46,7 +46,20 @@ class SchedulerProbe:
         start_steps = self._start.num_steps if self._start else 0
         num_plans = end.num_steps - start_steps
         cpu_s = end.cpu_seconds - (self._start.cpu_seconds if self._start else 0.0)
-        return {
+        spec = {}
+        if end.speculative_config:  # over the window: the counters' change
+            start = self._start or type(end)()
+            num_steps = end.num_spec_steps - start.num_spec_steps
+            num_drafts = end.num_spec_draft_tokens - start.num_spec_draft_tokens
+            num_accepted = end.num_spec_accepted_tokens - start.num_spec_accepted_tokens
+            spec = {
+                "spec_steps": num_steps,
+                "spec_acceptance_rate": num_accepted / num_drafts if num_drafts else 0.0,
+                "spec_mean_accepted_length": (num_accepted + num_steps) / num_steps
+                if num_steps
+                else 0.0,
+            }
+        return spec | {
             "bubble_fraction": [round(b, 4) for b in end.bubble_fraction],
             "prefix_cache_hit_rate": end.prefix_cache_hit_rate,
             "preemptions": end.num_preempted_total - start_preempted,

@@ -202,6 +202,9 @@ class SchedulerSnapshot:
     is_paused: bool = False
     weight_version: int = 0
     num_weight_updates: int = 0
+    num_spec_steps: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class SchedulerCollector(Collector):
@@ -246,6 +249,21 @@ class SchedulerCollector(Collector):
             snap.num_hit_tokens,
         )
         yield _counter("conveyor:scheduler_steps", "Steps planned.", snap.num_steps)
+        yield _counter(
+            "conveyor:spec_decode_num_drafts",
+            "Speculative decoding: request steps that carried proposed tokens.",
+            snap.num_spec_steps,
+        )
+        yield _counter(
+            "conveyor:spec_decode_num_draft_tokens",
+            "Speculative decoding: tokens proposed.",
+            snap.num_spec_draft_tokens,
+        )
+        yield _counter(
+            "conveyor:spec_decode_num_accepted_tokens",
+            "Speculative decoding: proposed tokens the model confirmed.",
+            snap.num_spec_accepted_tokens,
+        )
         yield _counter(
             "conveyor:poison_requests",
             "Requests failed because a pipeline stage failed on them alone.",

@@ -89,6 +89,8 @@ def plan_to_pb(plan: StepPlan, tokens_from_last_stage: bool) -> worker_pb2.StepP
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 new_block_ids=r.new_block_ids,
                 new_token_ids=r.new_token_ids,
+                spec_token_ids=r.spec_token_ids,
+                num_computed_tokens=r.num_computed_tokens,
             )
             for r in plan.cached_requests
         ],
@@ -118,6 +120,10 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 new_block_ids=list(r.new_block_ids),
                 new_token_ids=list(r.new_token_ids),
+                spec_token_ids=list(r.spec_token_ids),
+                num_computed_tokens=(
+                    r.num_computed_tokens if r.HasField("num_computed_tokens") else None
+                ),
             )
             for r in msg.cached_requests
         ],

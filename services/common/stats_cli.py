@@ -77,9 +77,25 @@ def stats_to_dict(msg, top: int) -> dict:
         "fragmentation": msg.fragmentation,
         "prefix_cache_hit_rate": msg.prefix_cache_hit_rate,
         "bubble_fraction": list(msg.bubble_fraction),
+        "speculative_config": msg.speculative_config,
+        "num_spec_steps": msg.num_spec_steps,
+        "num_spec_draft_tokens": msg.num_spec_draft_tokens,
+        "num_spec_accepted_tokens": msg.num_spec_accepted_tokens,
+        "spec_acceptance_rate": msg.spec_acceptance_rate,
+        "spec_mean_accepted_length": msg.spec_mean_accepted_length,
         "num_requests_with_blocks": len(blocks),
         "top_requests": [{"request_id": rid, "num_blocks": n} for rid, n in blocks[:top]],
     }
+
+
+def _speculation(stats: dict) -> str:
+    if not stats["speculative_config"]:
+        return "off"
+    return (
+        f"{stats['spec_acceptance_rate']:.1%} of {stats['num_spec_draft_tokens']} proposed "
+        f"tokens accepted, {stats['spec_mean_accepted_length']:.2f} tokens per speculative "
+        f"step ({stats['num_spec_steps']} steps)"
+    )
 
 
 def format_table(stats: dict) -> str:
@@ -114,6 +130,7 @@ def format_table(stats: dict) -> str:
         ("fragmentation", f"{stats['fragmentation']:.1%} of allocated slots empty"),
         ("prefix hit rate", f"{stats['prefix_cache_hit_rate']:.1%} of prompt tokens"),
         ("bubble", bubbles or "n/a"),
+        ("speculation", _speculation(stats)),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]

@@ -47,7 +47,19 @@ class CachedRequest:
     """Blocks appended to the request's block table for this step."""
     new_token_ids: list[int] = field(default_factory=list)
     """Sync mode: tokens sampled since the workers last heard of it (the decode input).
-    Empty in async mode, where stage 0 takes the input token from the last stage."""
+    Empty in async mode, where stage 0 takes the input token from the last stage (but for
+    a request planned after a speculative step: then they are the tokens it yielded)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed after the scheduled ones. The stages compute
+    their positions too; the last stage keeps the prefix it would have sampled itself."""
+    num_computed_tokens: int | None = None
+    """Set after a speculative step: the request's true computed-token count, which rolls
+    back the rejected drafts' positions (stages before the last cannot know them)."""
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Positions computed this step: the scheduled tokens and the proposed ones."""
+        return self.num_scheduled_tokens + len(self.spec_token_ids)
 
 
 @dataclass(slots=True)
@@ -67,7 +79,7 @@ class StepPlan:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            r.num_scheduled_tokens for r in self.cached_requests
+            r.num_step_tokens for r in self.cached_requests
         )
 
 
@@ -82,9 +94,38 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """What the last stage reports for one step: one sampled token per sampling request."""
+    """What the last stage reports for one step: the tokens of each sampling request.
+
+    A request is listed once per token, in one contiguous run: one token for an ordinary
+    step, 1 to k + 1 for a speculative step (the accepted drafts, then the last stage's own).
+    """
 
     step_id: int
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+
+    def runs(self) -> list[tuple[str, list[int], list[TokenLogprobs | None]]]:
+        """(request id, its tokens, their logprobs) per request, in order; raises ValueError
+        when a request's tokens are not one contiguous run."""
+        logprobs = self.logprobs or [None] * len(self.request_ids)
+        runs: list[tuple[str, list[int], list[TokenLogprobs | None]]] = []
+        seen: set[str] = set()
+        for request_id, token_id, lp in zip(
+            self.request_ids, self.token_ids, logprobs, strict=True
+        ):
+            if runs and runs[-1][0] == request_id:
+                runs[-1][1].append(token_id)
+                runs[-1][2].append(lp)
+                continue
+            if request_id in seen:
+                raise ValueError(
+                    f"step {self.step_id} result lists request {request_id} in two places"
+                )
+            seen.add(request_id)
+            runs.append((request_id, [token_id], [lp]))
+        return runs
+
+    def last_tokens(self) -> list[int]:
+        """The last token of each request (the next decode input), in order."""
+        return [tokens[-1] for _, tokens, _ in self.runs()]

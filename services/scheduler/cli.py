@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {_default('scheduling')})",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off; '
+        "docs/speculative-decoding.md)",
+    )
+    parser.add_argument(
         "--max-inflight",
         type=int,
         default=None,
@@ -222,6 +229,7 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         host=args.host,
         port=args.port,
         scheduling=args.scheduling,
+        speculative=args.speculative_config,
         max_inflight=args.max_inflight,
         policy=args.scheduler_policy,
         max_num_seqs=args.max_num_seqs,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from services.common import limits
 from services.common.errors import ConfigError
+from services.scheduler.speculative import SpeculativeConfig
 
 
 class SchedulingMode(str, enum.Enum):
@@ -98,6 +99,9 @@ class SchedulerConfig:
     again at step s + P at the earliest."""
     max_inflight: int | None = None
     """Steps in flight (`--max-inflight`); None: 2P in async mode, P in sync mode."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (`--speculative-config`, docs/speculative-decoding.md); None:
+    one token per decoding step."""
     max_waiting: int = 10_000
     """Most requests waiting in the queue; one more raises `QueueFull` (`--max-waiting`)."""
     orphan_timeout_s: float = 5.0
@@ -183,6 +187,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         self.policy = _enum(SchedulerPolicy, self.policy, "policy")
         self.scheduling = _enum(SchedulingMode, self.scheduling, "scheduling")
+        if isinstance(self.speculative, str):
+            self.speculative = SpeculativeConfig.from_json(self.speculative)
         for name, low in (
             ("num_blocks", 1),
             ("block_size", 1),

@@ -230,6 +230,9 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
         is_paused=service.pause_mode is not None,
         weight_version=service.weight_version,
         num_weight_updates=service.num_weight_updates,
+        num_spec_steps=core.spec_stats.num_steps,
+        num_spec_draft_tokens=core.spec_stats.num_draft_tokens,
+        num_spec_accepted_tokens=core.spec_stats.num_accepted_tokens,
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import ConveyorError, InvalidRequest
 from services.common.sampling import SamplingParams
+from services.scheduler.speculative import SpecStats
 
 
 class InvalidTransition(ConveyorError, RuntimeError):
@@ -123,6 +124,13 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     num_cached_tokens: int | None = field(default=None, init=False)
     """Prompt tokens found in the prefix cache when it was first scheduled (usage)."""
+    num_spec_tokens: int | None = field(default=None, init=False)
+    """Speculative decoding: how many tokens to propose next (adaptive k); None: not set."""
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
+    """The tokens proposed in the step in flight (at most one speculative step is)."""
+    spec_resume_at: int = field(default=0, init=False)
+    """With k = 0: the output count at which the request proposes again (k = 1)."""
+    spec: SpecStats = field(default_factory=SpecStats, init=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:

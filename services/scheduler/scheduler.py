@@ -19,6 +19,11 @@ Pipeline rules (DESIGN.md "Asynchronous scheduling"), with P = num_stages:
   the token stage 0 receives straight from the last stage. A request found finished late
   has its extra token discarded.
 
+Speculative decoding (`config.speculative`, docs/speculative-decoding.md): a decoding
+request whose k > 0 carries up to k tokens proposed from its own log; it is planned only
+when no step of it is in flight (in both modes), and its plan then carries its inputs and
+its true computed-token count, which rolls back the stages' positions of rejected drafts.
+
 Poison requests: when a stage fails on a step, the step's requests become suspects
 (`step_failed`). After the pipeline is whole again, each suspect runs alone first; one
 that passes a step alone is cleared, one a stage fails on alone is FAILED with the
@@ -45,6 +50,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy
 from services.scheduler.policy import make_policy
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.speculative import SpecStats, next_num_tokens, propose_ngram
 from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
 from services.scheduler.updates import StepOutputs
 
@@ -103,6 +109,8 @@ class Scheduler:
         """Requests failed because a stage failed on them alone."""
         self.pause_mode: PauseMode | None = None
         """Set while paused: WAIT plans running requests only, KEEP and ABORT nothing."""
+        self.spec_stats = SpecStats()
+        """Speculative steps of every request so far (`conveyor stats`)."""
 
     @classmethod
     def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:
@@ -207,7 +215,7 @@ class Scheduler:
             r.next_step_id
             for r in self.running.values()
             if r.status is RequestStatus.RUNNING
-            and len(r.pending_step_ids) <= 1
+            and len(r.pending_step_ids) <= self._max_pending(r, 1)
             and r.next_step_id >= self._next_step_id
         ]
         if not ready:
@@ -263,7 +271,7 @@ class Scheduler:
             if (
                 (only is not None and request.request_id != only)
                 or request.next_step_id > step_id
-                or len(request.pending_step_ids) > max_pending
+                or len(request.pending_step_ids) > self._max_pending(request, max_pending)
                 or request.status is not RequestStatus.RUNNING
             ):
                 continue
@@ -278,7 +286,8 @@ class Scheduler:
                     request.num_output_tokens + num_pending < request.sampling.max_tokens
                     and num_known < max_model_len
                 ):
-                    self._schedule_cached(plan, request, 1, num_known, budget, scheduled)
+                    drafts = self._propose(request, budget) if self._speculates(request) else []
+                    self._schedule_cached(plan, request, 1, num_known, budget, scheduled, drafts)
 
         # prefill: chunks of prompts already running, then new (or resumed) requests
         for request in partial:
@@ -298,6 +307,54 @@ class Scheduler:
             self._isolated_since = step_id
         return plan
 
+    # -- speculative decoding --------------------------------------------------------------
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request proposes tokens now (its adaptive k > 0; a k of 0 comes
+        back as 1 once the request decoded `probe_interval` tokens without)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        if request.num_spec_tokens is None:
+            request.num_spec_tokens = spec.num_speculative_tokens
+        if request.num_spec_tokens == 0 and request.num_output_tokens >= request.spec_resume_at:
+            request.num_spec_tokens = 1
+        return request.num_spec_tokens > 0
+
+    def _max_pending(self, request: Request, max_pending: int) -> int:
+        """Results a request may have outstanding when planned: none while it speculates
+        (the proposer needs its newest tokens, the plan its true position)."""
+        if request.spec_token_ids or self._speculates(request):
+            return 0
+        return max_pending
+
+    def _propose(self, request: Request, budget: _Budget) -> list[int]:
+        """Up to k proposed tokens the request can keep (max_tokens, max_model_len, the
+        step's token budget); none found halves k."""
+        spec = self.config.speculative
+        room = min(
+            request.num_spec_tokens,
+            request.sampling.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+            budget.num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        drafts = propose_ngram(
+            request.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min
+        )
+        if not drafts:
+            self._adapt(request, 0, 0)
+        return drafts
+
+    def _adapt(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        spec = self.config.speculative
+        k = next_num_tokens(
+            request.num_spec_tokens, num_drafts, num_accepted, spec.num_speculative_tokens
+        )
+        if k == 0 and request.num_spec_tokens:
+            request.spec_resume_at = request.num_output_tokens + spec.probe_interval
+        request.num_spec_tokens = k
+
     def _chunk(self, num_remaining: int, num_budget: int) -> int:
         if num_remaining <= num_budget:
             return num_remaining
@@ -311,21 +368,45 @@ class Scheduler:
         num_known: int,
         budget: _Budget,
         scheduled: set[str],
+        drafts: list[int] | None = None,
     ) -> None:
+        bm = self.block_manager
         num_slots = request.num_computed_tokens + num_new
+        if drafts and not bm.can_allocate(request.request_id, num_slots + len(drafts)):
+            drafts = []  # proposed tokens never preempt anyone
+        drafts = drafts or []
+        num_slots += len(drafts)  # the drafts' KV goes where their tokens would
         try:
-            new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
+            new_block_ids = bm.allocate(request.request_id, num_slots)
         except OutOfBlocks:
             if not self._make_room(request, num_slots, scheduled, plan):
                 return
-            new_block_ids = self.block_manager.allocate(request.request_id, num_slots)
+            new_block_ids = bm.allocate(request.request_id, num_slots)
+        is_synced = self.config.speculative is not None and not request.pending_step_ids
         new_token_ids: list[int] = []
-        if not self.config.is_async and request.num_tokens_on_workers != request.num_tokens:
+        if (not self.config.is_async or is_synced) and (
+            request.num_tokens_on_workers != request.num_tokens
+        ):
             new_token_ids = request.token_ids[request.num_tokens_on_workers :]
             request.num_tokens_on_workers = request.num_tokens
+        elif self.config.is_async:  # stage 0 places the forwarded input: it knows this many
+            request.num_tokens_on_workers = max(
+                request.num_tokens_on_workers, request.num_computed_tokens + num_new
+            )
         plan.cached_requests.append(
-            CachedRequest(request.request_id, num_new, new_block_ids, new_token_ids)
+            CachedRequest(
+                request.request_id,
+                num_new,
+                new_block_ids,
+                new_token_ids,
+                spec_token_ids=drafts,
+                # Nothing in flight: the count is exact, and rolls back a speculative step's
+                # rejected positions on the stages that could not tell.
+                num_computed_tokens=request.num_computed_tokens if is_synced else None,
+            )
         )
+        request.spec_token_ids = drafts
+        budget.num_tokens -= len(drafts)
         self._after_scheduled(plan.step_id, request, num_new, num_known, budget, scheduled)
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget, only: str | None) -> None:
@@ -453,6 +534,7 @@ class Scheduler:
             request.transition(RequestStatus.PREEMPTED)
             self.outputs.record_state(request)
             request.pending_step_ids.clear()
+            request.spec_token_ids = []
             request.num_tokens_on_workers = None
             request.num_computed_tokens = 0
             request.next_step_id = 0  # no step of the lost session is in flight any more
@@ -464,6 +546,7 @@ class Scheduler:
 
     def _forget_on_workers(self, request: Request, finished_ids: list[str]) -> None:
         request.pending_step_ids.clear()  # results of in-flight steps are discarded
+        request.spec_token_ids = []
         if request.num_tokens_on_workers is not None:
             finished_ids.append(request.request_id)
             request.num_tokens_on_workers = None
@@ -494,22 +577,44 @@ class Scheduler:
         if self._isolated_since is not None and step_id >= self._isolated_since:
             self.suspects.pop(self.isolated_id, None)  # it passed a step alone: cleared
             self._isolated_since = None
-        logprobs = result.logprobs or [None] * len(result.request_ids)
-        triples = zip(result.request_ids, result.token_ids, logprobs, strict=True)
-        for request_id, token_id, lp in triples:
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue
-            if not request.pending_step_ids or request.pending_step_ids[0] != step_id:
-                logger.debug("discarding token of %s from step %d", request_id, step_id)
+        for request_id, token_ids, logprobs in result.runs():
+            request = self._applies_to(request_id, step_id)
+            if request is None:
+                logger.debug("discarding tokens of %s from step %d", request_id, step_id)
                 continue
             request.pending_step_ids.pop(0)
-            request.append_output(token_id)
-            finished = request.check_stop(self.config.max_model_len)
-            self.outputs.record_token(request, token_id, lp, finished)
-            if finished is not None:
-                self._finish(request, finished)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            num_accepted = len(token_ids) - 1  # their KV was computed with the step
+            if drafts:
+                request.spec.add(len(drafts), num_accepted)
+                self.spec_stats.add(len(drafts), num_accepted)
+                self._adapt(request, len(drafts), num_accepted)
+            request.num_computed_tokens += num_accepted
+            if self._charge is not None and num_accepted:
+                self._charge(request, num_accepted)  # their tokens were computed too
+            for token_id, lp in zip(token_ids, logprobs, strict=True):
+                request.append_output(token_id)
+                finished = request.check_stop(self.config.max_model_len)
+                self.outputs.record_token(request, token_id, lp, finished)
+                if finished is not None:  # tokens after a stop are dropped
+                    self._finish(request, finished)
+                    break
+            else:
+                if num_accepted:
+                    self.block_manager.cache_full_blocks(
+                        request_id, request.token_ids, request.num_computed_tokens
+                    )
         return self.outputs.flush()
+
+    def _applies_to(self, request_id: str, step_id: int) -> Request | None:
+        """The request a result of `step_id` is for, or None when it is to be discarded
+        (finished, preempted, or re-planned since)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        if not request.pending_step_ids or request.pending_step_ids[0] != step_id:
+            return None
+        return request
 
     def check_result(self, result: StepResult) -> None:
         """Raises ValueError when a stage's result cannot be a result of a planned step."""
@@ -523,6 +628,17 @@ class Scheduler:
             raise ValueError(f"step {result.step_id} was never planned")
         if any(not 0 <= t < 2**31 for t in result.token_ids):
             raise ValueError(f"step {result.step_id} result holds a token id out of range")
+        for request_id, token_ids, _ in result.runs():
+            request = self._applies_to(request_id, result.step_id)
+            if request is None:
+                continue
+            drafts = request.spec_token_ids
+            if len(token_ids) > len(drafts) + 1 or token_ids[:-1] != drafts[: len(token_ids) - 1]:
+                raise ValueError(
+                    f"step {result.step_id}: request {request_id} yielded {len(token_ids)} "
+                    f"tokens for {len(drafts)} proposed: a step yields the accepted proposed "
+                    "tokens and one more"
+                )
 
     def updates_pending(self) -> list[RequestUpdate]:
         """State changes not yet persisted (for tests and diagnostics)."""

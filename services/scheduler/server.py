@@ -173,6 +173,14 @@ async def stats_to_pb(
     msg.num_prefix_queried_tokens = core.block_manager.num_queried_tokens
     msg.num_prefix_hit_tokens = core.block_manager.num_hit_tokens
     msg.num_inflight = service.inflight
+    if core.config.speculative is not None:
+        spec = core.spec_stats
+        msg.speculative_config = core.config.speculative.to_json()
+        msg.num_spec_steps = spec.num_steps
+        msg.num_spec_draft_tokens = spec.num_draft_tokens
+        msg.num_spec_accepted_tokens = spec.num_accepted_tokens
+        msg.spec_acceptance_rate = spec.acceptance_rate
+        msg.spec_mean_accepted_length = spec.mean_accepted_length
     if service.counters.num_steps:
         msg.mean_schedule_us = 1e6 * service.counters.schedule_s / service.counters.num_steps
     for request_id in core.running:

@@ -47,6 +47,9 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
         finish_reason=FINISH_TO_PB[delta.finish_reason],
         num_cached_tokens=delta.num_cached_tokens,
         weight_version=delta.weight_version,
+        num_spec_steps=delta.num_spec_steps,
+        num_spec_draft_tokens=delta.num_spec_draft_tokens,
+        num_spec_accepted_tokens=delta.num_spec_accepted_tokens,
     )
     if delta.error:
         msg.error = delta.error

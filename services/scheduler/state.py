@@ -32,6 +32,12 @@ class TokenDelta:
     owner_pipeline_id: str | None = None
     """Set when this scheduler does not run the request (any more): the pipeline that owns
     it, where the stream resumes. Such a delta ends the stream without a finish reason."""
+    num_spec_steps: int = 0
+    """Speculative decoding, the request's counts so far: steps with proposed tokens,"""
+    num_spec_draft_tokens: int = 0
+    """tokens proposed,"""
+    num_spec_accepted_tokens: int = 0
+    """and proposed tokens the model confirmed."""
 
 
 @dataclass(slots=True)

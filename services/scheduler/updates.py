@@ -77,6 +77,10 @@ class StepOutputs:
             )
         delta.token_ids.append(token_id)
         delta.logprobs.append(logprobs)
+        spec = request.spec
+        delta.num_spec_steps = spec.num_steps
+        delta.num_spec_draft_tokens = spec.num_draft_tokens
+        delta.num_spec_accepted_tokens = spec.num_accepted_tokens
         if finished is not None:
             delta.finish_reason = finished.finish_reason
 

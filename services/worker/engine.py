@@ -246,7 +246,9 @@ class StageEngine:
         if self.transport.is_last:
             result = out
             if takes_tokens and result.token_ids:
-                link.send_tokens(torch.tensor(result.token_ids, dtype=torch.int64))
+                # One token per sampling request, as stage 0 counts them: the last one a
+                # speculative step yielded (its plan entry after the step carries them all).
+                link.send_tokens(torch.tensor(result.last_tokens(), dtype=torch.int64))
         elif plan.num_requests:
             link.send_hidden(out)
         t_end = time.time_ns()

@@ -5,6 +5,11 @@ computed-token count, sampling params), turns a plan into one flattened batch
 (input ids / positions / slots / block tables) in a single vectorised pass, runs the
 stage's layers over the paged KV cache and, on the last stage, samples one token for every
 request whose chunk reaches the end of its known tokens.
+
+Speculative steps (docs/speculative-decoding.md): an entry's proposed tokens are computed
+after its scheduled ones, k + 1 positions in all. The last stage samples each of those rows
+as the token at that position would be sampled without speculation, and keeps the tokens
+up to the first one that differs from the proposal (`accept_proposal`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ class ScheduledBatch:
 
     states: list[RequestState]
     num_scheduled: list[int]
+    """Positions computed per request: its scheduled tokens and its proposed ones."""
+    spec_token_ids: list[list[int]]
+    """Per request, the proposed tokens (the last positions of its chunk); mostly empty."""
+
+
+MAX_SPEC_TOKENS = 64
+"""Most proposed tokens one plan entry may carry (the scheduler's limit is far lower)."""
+
+
+def accept_proposal(sampled: list[int], proposal: list[int]) -> list[int]:
+    """The tokens a speculative step yields: `sampled` [k + 1] are the tokens sampled at the
+    k + 1 positions, each as if every proposed token before it were right; keep them up to
+    and including the first that differs from `proposal` [k] (all k + 1 if none does)."""
+    num_accepted = 0
+    while num_accepted < len(proposal) and sampled[num_accepted] == proposal[num_accepted]:
+        num_accepted += 1
+    return sampled[: num_accepted + 1]
 
 
 @dataclass(slots=True)
@@ -137,7 +159,7 @@ class StageRunner:
     def _apply_plan(self, plan: StepPlan, input_token_ids: dict[str, int] | None) -> ScheduledBatch:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch([], [], [])
         for new in plan.new_requests:
             state = RequestState(
                 new.request_id,
@@ -150,6 +172,7 @@ class StageRunner:
             self.requests[new.request_id] = state
             batch.states.append(state)
             batch.num_scheduled.append(new.num_scheduled_tokens)
+            batch.spec_token_ids.append([])
         for cached in plan.cached_requests:
             state = self.requests.get(cached.request_id)
             if state is None:
@@ -158,6 +181,9 @@ class StageRunner:
                     f"{cached.request_id!r} (never sent as new, or already finished)"
                 )
             state.block_ids.extend(cached.new_block_ids)
+            self._check_spec(plan.step_id, state, cached)
+            if cached.num_computed_tokens is not None:  # rolls back rejected proposals
+                state.num_computed_tokens = cached.num_computed_tokens
             needed = state.num_computed_tokens + cached.num_scheduled_tokens
             new_tokens = cached.new_token_ids
             if not new_tokens and input_token_ids and cached.request_id in input_token_ids:
@@ -165,9 +191,33 @@ class StageRunner:
             if new_tokens:  # the plan (or the last stage) is authoritative for these tokens
                 del state.token_ids[needed - len(new_tokens) :]
                 state.token_ids.extend(new_tokens)
+            if cached.spec_token_ids and needed < len(state.token_ids):
+                raise ValueError(
+                    f"step {plan.step_id}: request {cached.request_id!r} carries proposed "
+                    "tokens but its chunk does not reach the end of its known tokens"
+                )
             batch.states.append(state)
-            batch.num_scheduled.append(cached.num_scheduled_tokens)
+            batch.num_scheduled.append(cached.num_step_tokens)
+            batch.spec_token_ids.append(cached.spec_token_ids)
         return batch
+
+    def _check_spec(self, step_id: int, state: RequestState, cached) -> None:
+        """A plan's speculative fields must be possible: a bad one fails the step."""
+        vocab_size = self.model.config.vocab_size
+        where = f"step {step_id}: request {cached.request_id!r}"
+        if len(cached.spec_token_ids) > MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"{where} carries {len(cached.spec_token_ids)} proposed tokens "
+                f"(at most {MAX_SPEC_TOKENS})"
+            )
+        if any(not 0 <= t < vocab_size for t in cached.spec_token_ids):
+            raise ValueError(f"{where}: a proposed token id is outside [0, {vocab_size})")
+        rollback = cached.num_computed_tokens
+        if rollback is not None and not 0 <= rollback <= state.num_computed_tokens:
+            raise ValueError(
+                f"{where}: num_computed_tokens={rollback} may only roll back, from "
+                f"{state.num_computed_tokens}"
+            )
 
     # ---------------------------------------------------------------- inputs
     def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, torch.Tensor | None]:
@@ -195,8 +245,10 @@ class StageRunner:
         input_ids = None
         if self.stage.is_first:
             ids: list[int] = []
-            for state, start, num in zip(batch.states, starts, batch.num_scheduled, strict=True):
-                ids.extend(state.token_ids[start : start + num])
+            rows = zip(batch.states, starts, batch.num_scheduled, batch.spec_token_ids, strict=True)
+            for state, start, num, spec in rows:
+                ids.extend(state.token_ids[start : start + num - len(spec)])
+                ids.extend(spec)
             if len(ids) != num_tokens:
                 raise ValueError("a scheduled request lacks the input tokens of this step")
             input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -250,33 +302,56 @@ class StageRunner:
     def _sample(
         self, step_id: int, batch: ScheduledBatch, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> StepResult:
-        """Logits for the rows that reach the end of their known tokens, then sample."""
-        rows, states = [], []
+        """Logits for the rows that reach the end of their known tokens, then sample.
+
+        A request with k proposed tokens has k + 1 such rows: row i is sampled with the
+        proposal's first i tokens as its latest outputs (penalties, min_tokens, the seeded
+        generator's position), exactly as a step without speculation would sample there.
+        """
+        rows, states, specs, outputs = [], [], [], []
         ends = meta.query_start_loc[1:].tolist()
-        for state, end in zip(batch.states, ends, strict=True):
-            if state.num_computed_tokens >= len(state.token_ids):
-                rows.append(end - 1)
-                states.append(state)
+        for state, end, spec in zip(batch.states, ends, batch.spec_token_ids, strict=True):
+            if state.num_computed_tokens < len(state.token_ids) + len(spec):
+                continue
+            states.append(state)
+            specs.append(spec)
+            known_outputs = state.token_ids[state.num_prompt_tokens :]
+            for i in range(len(spec) + 1):
+                rows.append(end - 1 - len(spec) + i)
+                outputs.append(known_outputs + spec[:i])
         if not states:
             return StepResult(step_id, [], [])
-        logits = self.model.compute_logits(hidden[rows])  # [N, V] float32; None: tp rank > 0
+        row_states = [
+            s for s, spec in zip(states, specs, strict=True) for _ in range(len(spec) + 1)
+        ]
+        logits = self.model.compute_logits(hidden[rows])  # [R, V] float32; None: tp rank > 0
         logprobs = None
         if logits is not None:
             sampling_batch = SamplingBatch.from_requests(
-                [s.sampling for s in states],
-                [s.token_ids[: s.num_prompt_tokens] for s in states],
-                [s.token_ids[s.num_prompt_tokens :] for s in states],
+                [s.sampling for s in row_states],
+                [s.token_ids[: s.num_prompt_tokens] for s in row_states],
+                outputs,
                 device=self.device,
                 eos_token_ids=self.eos_token_ids,
             )
             output = self.sampler(logits, sampling_batch)
             sampled, logprobs = output.token_ids.to(torch.int64), output.logprobs
         else:
-            sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
+            sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         # Tensor parallel: rank 0 alone samples (one generator, whatever the seeds); every
         # rank needs the tokens (its request states, async forwarding to stage 0).
-        token_ids = self.model.tp.broadcast(sampled).tolist()
-        for state, token_id in zip(states, token_ids, strict=True):
-            state.token_ids.append(token_id)
+        row_tokens = self.model.tp.broadcast(sampled).tolist()
+        request_ids, token_ids, kept_logprobs = [], [], []
+        row = 0
+        for state, spec in zip(states, specs, strict=True):
+            emitted = accept_proposal(row_tokens[row : row + len(spec) + 1], spec)
+            # The rejected proposals' positions are not computed: their KV is overwritten.
+            state.num_computed_tokens -= len(spec) - (len(emitted) - 1)
+            state.token_ids.extend(emitted)
+            request_ids.extend([state.request_id] * len(emitted))
+            token_ids.extend(emitted)
+            if logprobs is not None:
+                kept_logprobs.extend(logprobs[row : row + len(emitted)])
+            row += len(spec) + 1
         self.last_logits = logits
-        return StepResult(step_id, [s.request_id for s in states], token_ids, logprobs)
+        return StepResult(step_id, request_ids, token_ids, kept_logprobs if logprobs else None)

@@ -5,7 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from services.bench.datasets import arrival_gaps, prefix_requests, random_requests
+from services.bench.datasets import (
+    arrival_gaps,
+    prefix_requests,
+    random_requests,
+    repeat_requests,
+)
+from services.bench.run import Workload
+from services.scheduler.speculative import propose_ngram
 
 POOL = list(range(100, 400))
 
@@ -48,6 +55,21 @@ def test_prefix_requests_share_prefixes_in_turn():
     prefixes = [tuple(r.prompt_ids[:24]) for r in requests]
     assert prefixes[0] == prefixes[2] == prefixes[4] != prefixes[1] == prefixes[3] == prefixes[5]
     assert len({tuple(r.prompt_ids[24:]) for r in requests}) == 6  # own suffixes
+
+
+def test_repeat_requests_wrap_a_text_in_the_instruction_and_lookup_finds_it():
+    head, tail = [1, 2, 3], [4, 5]
+    requests = repeat_requests(POOL, 4, 24, 30, head, tail, seed=6)
+    texts = random_requests(POOL, 4, 24, 30, seed=6)
+    for request, text in zip(requests, texts, strict=True):
+        assert request.prompt_ids == head + text.prompt_ids + tail
+        assert request.output_len == 30
+        # Once the output starts copying the text, prompt lookup proposes the rest of it.
+        copied = request.prompt_ids + text.prompt_ids[:3]
+        assert propose_ngram(copied, 4, 3, 1) == text.prompt_ids[3:7]
+    workload = Workload(dataset="repeat", num_prompts=2, input_len=8, output_len=4)
+    built = workload.build(POOL, (head, tail))
+    assert [r.prompt_ids[:3] for r in built] == [head, head]
 
 
 def test_arrival_gaps_infinite_rate_sends_all_at_once():

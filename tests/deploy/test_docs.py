@@ -31,6 +31,7 @@ EXPECTED_PAGES = {
     "scale-out.md",
     "security.md",
     "simulation.md",
+    "speculative-decoding.md",
     "tensor-parallel.md",
     "training.md",
 }

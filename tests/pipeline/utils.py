@@ -32,6 +32,7 @@ from services.common.step import StepPlan, TokenLogprobs
 from services.scheduler.config import PipelineInfo, SchedulerConfig
 from services.scheduler.pipeline import StageFailure, StageReport
 from services.scheduler.service import SchedulerService
+from services.scheduler.state import TokenDelta
 from services.scheduler.store import RedisStateStore
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.server import outcome_to_pb
@@ -237,6 +238,8 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
+    last_delta: TokenDelta | None = field(default=None, compare=False)
+    """The last delta received (its cumulative per-request counts)."""
 
 
 class InProcessStack:
@@ -322,6 +325,7 @@ class InProcessStack:
             outcome.token_ids.extend(delta.token_ids)
             outcome.logprobs.extend(delta.logprobs or [None] * len(delta.token_ids))
             outcome.finish_reason = delta.finish_reason
+            outcome.last_delta = delta
         return outcome
 
     async def _next(self, deltas: asyncio.Queue):

@@ -120,7 +120,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., principal: _Optional[str] = ..., owner_token: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "weight_version", "owner_pipeline_id")
+    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "weight_version", "owner_pipeline_id", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,9 @@ class TokenDelta(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -141,7 +144,10 @@ class TokenDelta(_message.Message):
     error: str
     weight_version: int
     owner_pipeline_id: str
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., weight_version: _Optional[int] = ..., owner_pipeline_id: _Optional[str] = ...) -> None: ...
+    num_spec_steps: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., weight_version: _Optional[int] = ..., owner_pipeline_id: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "principal", "owner_token")
@@ -178,7 +184,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens")
+    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "speculative_config", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
     class RequestBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +219,12 @@ class SchedulerStats(_message.Message):
     PIPELINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preempted_total: int
@@ -240,7 +252,13 @@ class SchedulerStats(_message.Message):
     pipeline_id: str
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    speculative_config: str
+    num_spec_steps: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_length: float
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., speculative_config: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "submit", "resume", "abort", "cancel", "traceparent")

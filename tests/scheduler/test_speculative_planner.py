@@ -1,0 +1,350 @@
+"""Speculative decoding in the planner: the n-gram proposer, the config, adaptivity, and
+random workloads through fake workers that verify proposals like the last stage does.
+
+The fake model is a "copying" one for requests named `rep*`: the token at position p is
+prompt[p % len(prompt)], so outputs repeat the prompt and prompt lookup is right most of
+the time; other requests use the crc model of tests/scheduler/utils.py (proposals mostly
+wrong). Every schedule must produce exactly the tokens the model defines, whatever was
+proposed, accepted, preempted or stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.common.errors import ConfigError
+from services.common.step import StepPlan, StepResult
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.speculative import (
+    SpecStats,
+    SpeculativeConfig,
+    next_num_tokens,
+    propose_ngram,
+)
+from tests.scheduler.utils import Trace, collect, drive, fake_token, make_config, make_request
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+
+
+# -- proposer, config, adaptivity ------------------------------------------------------------
+def test_propose_ngram_takes_what_followed_the_longest_suffix():
+    log = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3]
+    assert propose_ngram(log, 3, 3, 1) == [4, 5, 9]  # "1 2 3" beats the later "2 3"
+    assert propose_ngram([8, 2, 3, 6, 2, 3], 2, 3, 1) == [6, 2]
+    assert propose_ngram([1, 2, 3, 4], 4, 3, 1) == []  # nothing repeats
+    assert propose_ngram([5, 6, 5, 6], 4, 3, 3) == []  # shorter than prompt_lookup_min
+    assert propose_ngram([5, 5, 5, 5, 5, 5], 3, 2, 1) == [5, 5, 5]
+    assert propose_ngram([7, 7], 3, 4, 1) == [7]  # only a continuation that runs short
+    assert propose_ngram([1, 2, 1], 0, 3, 1) == []
+
+
+def test_speculative_config_parses_vllm_json_and_names_bad_values():
+    config = SpeculativeConfig.from_json(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    )
+    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (3, 5)
+    assert SpeculativeConfig.from_json(config.to_json()) == config
+    bad = {
+        "{": "not valid JSON",
+        "[1]": "must be a JSON object",
+        '{"method": "eagle"}': "method='eagle' is not built",
+        '{"model": "/models/draft"}': "draft model",
+        '{"num_speculative_tokens": 0}': "num_speculative_tokens=0 is out of range",
+        '{"num_speculative_tokens": true}': "num_speculative_tokens=True",
+        '{"prompt_lookup_max": 2, "prompt_lookup_min": 3}': "prompt_lookup_min=3",
+        '{"num_spec_tokens": 4}': "unknown key(s) ['num_spec_tokens']",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ConfigError, match="speculative-config") as info:
+            SpeculativeConfig.from_json(text)
+        assert message in str(info.value), (text, str(info.value))
+    assert make_config(
+        speculative='{"num_speculative_tokens": 2}'
+    ).speculative == SpeculativeConfig(num_speculative_tokens=2)
+
+
+def test_adaptivity_grows_on_full_acceptance_and_halves_on_misses():
+    assert next_num_tokens(3, 3, 3, max_k=4) == 4
+    assert next_num_tokens(4, 4, 4, max_k=4) == 4
+    assert next_num_tokens(4, 4, 2, max_k=4) == 4
+    assert next_num_tokens(4, 4, 0, max_k=4) == 2
+    assert next_num_tokens(4, 0, 0, max_k=4) == 2  # nothing proposed
+    assert next_num_tokens(1, 1, 0, max_k=4) == 0
+    stats = SpecStats()
+    stats.add(4, 4)
+    stats.add(4, 0)
+    assert (stats.acceptance_rate, stats.mean_accepted_length) == (0.5, 3.0)
+
+
+# -- fake workers that verify proposals --------------------------------------------------------
+def model_token(request: Request, position: int) -> int:
+    if request.request_id.startswith("rep"):
+        return request.prompt_token_ids[position % request.num_prompt_tokens]
+    return fake_token(request.request_id, position)
+
+
+def expected_output(request: Request, max_model_len: int) -> list[int]:
+    out: list[int] = []
+    while True:
+        token = model_token(request, request.num_prompt_tokens + len(out))
+        out.append(token)
+        if token == request.eos_token_id and not request.sampling.ignore_eos:
+            return out
+        if len(out) >= request.sampling.max_tokens:
+            return out
+        if request.num_prompt_tokens + len(out) >= max_model_len:
+            return out
+
+
+@dataclass(slots=True)
+class _Seq:
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+
+
+@dataclass
+class SpecWorkers:
+    """One stage that is first and last: checks every plan entry against what it holds,
+    computes the proposed positions, and keeps the prefix the model agrees with."""
+
+    requests: dict[str, Request]
+    is_async: bool
+    block_size: int
+    seqs: dict[str, _Seq] = field(default_factory=dict)
+    num_rollbacks: int = 0
+
+    def run(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.seqs.pop(request_id, None)
+        ids, tokens = [], []
+        for new in plan.new_requests:
+            assert new.request_id not in self.seqs
+            seq = _Seq(list(new.token_ids), new.num_computed_tokens, list(new.block_ids))
+            self.seqs[new.request_id] = seq
+            self._compute(new.request_id, seq, new.num_scheduled_tokens, [], ids, tokens)
+        for cached in plan.cached_requests:
+            seq = self.seqs[cached.request_id]
+            seq.block_ids.extend(cached.new_block_ids)
+            if cached.num_computed_tokens is not None:
+                # the last stage knows the true count: the plan must agree with it
+                assert cached.num_computed_tokens == seq.num_computed
+                self.num_rollbacks += 1
+            new_ids = cached.new_token_ids
+            if new_ids:
+                needed = seq.num_computed + cached.num_scheduled_tokens
+                start = needed - len(new_ids)
+                known = seq.token_ids[start:needed]
+                assert known == new_ids[: len(known)], "a plan rewrote a known token"
+                del seq.token_ids[start:]
+                seq.token_ids.extend(new_ids)
+            elif not self.is_async:
+                assert not cached.spec_token_ids or cached.num_scheduled_tokens == 1
+            self._compute(
+                cached.request_id,
+                seq,
+                cached.num_scheduled_tokens,
+                cached.spec_token_ids,
+                ids,
+                tokens,
+            )
+        return StepResult(plan.step_id, ids, tokens)
+
+    def _compute(self, request_id, seq, num_new, spec, ids, tokens) -> None:
+        end = seq.num_computed + num_new
+        assert end <= len(seq.token_ids), f"{request_id}: computing tokens it does not know"
+        slots = end + len(spec)
+        assert len(seq.block_ids) * self.block_size >= slots, f"{request_id}: no KV slot"
+        if spec:
+            assert end == len(seq.token_ids), "proposals only after the last known token"
+        seq.num_computed = end
+        if end < len(seq.token_ids):
+            return
+        request = self.requests[request_id]
+        emitted = []
+        for i in range(len(spec) + 1):
+            emitted.append(model_token(request, end + i))
+            if i == len(spec) or emitted[-1] != spec[i]:
+                break
+        seq.num_computed = end + len(emitted) - 1
+        seq.token_ids.extend(emitted)
+        ids.extend([request_id] * len(emitted))
+        tokens.extend(emitted)
+
+
+def _run(config, requests, delay):
+    scheduler = Scheduler(config)
+    for request in requests:
+        scheduler.add_request(request)
+    by_id = {r.request_id: r for r in requests}
+    workers = SpecWorkers(by_id, config.is_async, config.block_size)
+    trace = drive(scheduler, workers, delay, trace=Trace())
+    return scheduler, workers, trace
+
+
+def _requests(specs) -> list[Request]:
+    requests = []
+    for i, (prompt_len, max_tokens, copies) in enumerate(specs):
+        name = f"rep{i}" if copies else f"q{i}"
+        requests.append(make_request(name, prompt_len, max_tokens, arrival_time=float(i)))
+    return requests
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([2, 4, 8]))
+    max_model_len = draw(st.sampled_from([32, 64]))
+    num_stages = draw(st.integers(1, 3))
+    config = make_config(
+        scheduling=draw(st.sampled_from(["sync", "async"])),
+        num_stages=num_stages,
+        block_size=block_size,
+        num_blocks=draw(st.integers(max_model_len // block_size, 60)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(2, 40)),
+        max_model_len=max_model_len,
+        policy=draw(st.sampled_from(["fcfs", "priority", "fair"])),
+        speculative=SpeculativeConfig(
+            num_speculative_tokens=draw(st.integers(1, 5)),
+            prompt_lookup_max=draw(st.integers(1, 4)),
+        ),
+    )
+    specs = draw(
+        st.lists(
+            st.tuples(st.integers(1, 24), st.integers(1, 30), st.booleans()),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    return config, _requests(specs), draw(st.integers(num_stages, num_stages + 2))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_speculative_random_workloads_produce_exact_outputs(workload):
+    config, requests, delay = workload
+    expected = {r.request_id: expected_output(r, config.max_model_len) for r in requests}
+    scheduler, _, trace = _run(config, requests, delay)
+    assert not scheduler.has_unfinished
+    assert trace.outputs == expected
+    assert scheduler.block_manager.num_free_blocks == config.num_blocks
+    for plan in trace.plans:
+        assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_copying_requests_take_fewer_steps_and_adapt(scheduling):
+    config = make_config(scheduling=scheduling, num_stages=2, speculative=SPEC)
+    requests = _requests([(8, 30, True), (9, 30, False)])
+    scheduler, workers, trace = _run(config, requests, 2)
+    assert trace.outputs == {r.request_id: expected_output(r, 128) for r in requests}
+    per_step = {}
+    for plan in trace.plans:
+        for entry in plan.cached_requests:
+            per_step.setdefault(entry.request_id, []).append(len(entry.spec_token_ids))
+    copying, other = per_step["rep0"], per_step["q1"]
+    assert len(copying) < 30 / 2, "accepted proposals: several tokens per step"
+    assert max(copying) == SPEC.num_speculative_tokens
+    # The other request's proposals fail: its k falls to 0 and it decodes without them.
+    assert other[-8:] == [0] * 8
+    stats = scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert workers.num_rollbacks > 0
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_request_is_not_planned_while_its_step_is_in_flight(scheduling):
+    config = make_config(scheduling=scheduling, num_stages=1, speculative=SPEC)
+    scheduler = Scheduler(config)
+    request = _requests([(8, 30, True)])[0]
+    scheduler.add_request(request)
+    workers = SpecWorkers({request.request_id: request}, config.is_async, config.block_size)
+    prefill = scheduler.schedule()
+    assert scheduler.schedule().num_requests == 0, "planned before its first token is known"
+    scheduler.process_result(workers.run(prefill))
+    step = scheduler.schedule()
+    (entry,) = step.cached_requests
+    assert entry.spec_token_ids and entry.num_computed_tokens == request.num_prompt_tokens
+    assert scheduler.schedule().num_requests == 0, "planned while a speculative step flies"
+    deltas = scheduler.process_result(workers.run(step))
+    assert len(deltas[0].token_ids) == len(entry.spec_token_ids) + 1
+
+
+def test_speculative_result_that_does_not_extend_the_proposal_is_refused():
+    config = make_config(scheduling="sync", speculative=SPEC)
+    scheduler = Scheduler(config)
+    request = _requests([(8, 30, True)])[0]
+    scheduler.add_request(request)
+    workers = SpecWorkers({request.request_id: request}, False, config.block_size)
+    scheduler.process_result(workers.run(scheduler.schedule()))
+    step = scheduler.schedule()
+    drafts = step.cached_requests[0].spec_token_ids
+    rid = request.request_id
+    too_many = StepResult(step.step_id, [rid] * (len(drafts) + 2), [*drafts, 1, 2])
+    wrong = StepResult(step.step_id, [rid] * 2, [drafts[0] + 1, 5])
+    split = StepResult(step.step_id, [rid, "other", rid], [drafts[0], 1, 2])
+    for result in (too_many, wrong, split):
+        with pytest.raises(ValueError):
+            scheduler.process_result(result)
+    assert request.num_output_tokens == 1
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_step_in_flight_when_preempted_or_aborted(scheduling):
+    """A speculative step's result that arrives after its request was preempted (or
+    aborted) is discarded; the preempted request resumes and finishes with exact tokens."""
+    config = make_config(scheduling=scheduling, speculative=SPEC)
+    scheduler = Scheduler(config)
+    kept, aborted = _requests([(8, 20, True), (9, 20, True)])
+    for request in (kept, aborted):
+        scheduler.add_request(request)
+    by_id = {r.request_id: r for r in (kept, aborted)}
+    workers = SpecWorkers(by_id, config.is_async, config.block_size)
+    trace = Trace()
+    collect(trace, scheduler.process_result(workers.run(scheduler.schedule())))
+    step = scheduler.schedule()
+    assert all(e.spec_token_ids for e in step.cached_requests)
+    result = workers.run(step)
+    scheduler.abort_request(aborted.request_id)
+    scheduler._preempt(kept, scheduler._finished_ids)  # as _make_room does under pressure
+    assert kept.status is RequestStatus.PREEMPTED and not kept.spec_token_ids
+    collect(trace, scheduler.process_result(result))  # discarded: both left the step
+    assert kept.num_output_tokens == 1
+    assert scheduler.block_manager.num_free_blocks == config.num_blocks
+    drive(scheduler, workers, 1, trace=trace)
+    assert trace.outputs[kept.request_id] == expected_output(kept, config.max_model_len)
+    assert scheduler.block_manager.num_free_blocks == config.num_blocks
+
+
+def test_speculative_config_flag_of_up_and_scheduler_names_the_mistake(capsys):
+    import argparse
+
+    from services import launcher
+    from services.scheduler import cli
+
+    up = argparse.ArgumentParser(prog="conveyor up")
+    launcher.add_arguments(up)
+    args = up.parse_args(["--model", "m", "--speculative-config", '{"num_speculative_tokens": 2}'])
+    assert SpeculativeConfig.from_json(args.speculative_config).num_speculative_tokens == 2
+    with pytest.raises(SystemExit):
+        up.parse_args(
+            [
+                "--model",
+                "m",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 40}',
+            ]
+        )
+    assert "num_speculative_tokens=40 is out of range" in capsys.readouterr().err
+    scheduler = argparse.ArgumentParser(prog="conveyor scheduler")
+    cli.add_arguments(scheduler)
+    args = scheduler.parse_args(["--workers", "w:1", "--speculative-config", "ngram"])
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        cli.build_config(args)
+    args = scheduler.parse_args(["--workers", "w:1", "--speculative-config", '{"method": "ngram"}'])
+    assert cli.build_config(args).speculative == SpeculativeConfig()

@@ -93,7 +93,7 @@ def expected_output(request: Request, max_model_len: int) -> list[int]:
     while True:
         token = model_token(request, request.num_prompt_tokens + len(out))
         out.append(token)
-        if token == request.eos_token_id and not request.sampling.ignore_eos:
+        if token in request.eos_token_ids and not request.sampling.ignore_eos:
             return out
         if len(out) >= request.sampling.max_tokens:
             return out

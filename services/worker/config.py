@@ -65,7 +65,8 @@ class WorkerConfig:
     else unquantized. Embeddings, norms and the logits stay in `dtype`."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
-    "auto" takes oneDNN wherever it is supported."""
+    "auto" takes oneDNN wherever it is supported, and on CPU runs matmuls of 1-4 rows (decode
+    steps of a few requests) on the streaming kernel of model/cpu_ops.py."""
     host: str = "[::]"
     """`--host`: gRPC bind address."""
     port: int = DEFAULT_PORT
@@ -245,6 +246,12 @@ class WorkerConfig:
         from services.worker.model.llama import default_attention_backend
 
         return self.attention_backend or default_attention_backend(self.device)
+
+    @property
+    def uses_small_batch_kernel(self) -> bool:
+        """Whether matmuls of 1-4 rows run on `cpu_ops.small_linear` beside oneDNN: on CPU
+        with --linear-backend auto (`onednn` keeps every matmul on oneDNN)."""
+        return self.linear_backend == "auto" and self.device == "cpu"
 
     @property
     def uses_onednn(self) -> bool:

@@ -121,7 +121,7 @@ class StageRunner:
             tensor_parallel_size=config.tensor_parallel_size,
         ).to(config.rank_device)
         if config.uses_onednn:
-            model.use_onednn()
+            model.use_onednn(keep_plain=config.uses_small_batch_kernel)
         spec = KVCacheSpec(
             stage.num_layers,
             model.tp.shard.num_kv_heads,  # this rank's share of the KV cache

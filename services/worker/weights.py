@@ -167,8 +167,8 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
                 layer = DecoderLayer(config, live.self_attn.attention_fn, model.tp)
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
             quantize_like(model, layer, dtype)
-            if isinstance(live.self_attn.qkv_proj, PackedLinear):
-                pack_linears(layer)
+            if isinstance(live.self_attn.qkv_proj, PackedLinear):  # as the live layer is
+                pack_linears(layer, keep_plain=live.self_attn.qkv_proj.weight is not None)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:
             staged.embed = reader.get(EMBED, vocab_hidden, dtype, rows=vocab_rows).to(device)
@@ -180,7 +180,8 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             name = EMBED if config.tie_word_embeddings else LM_HEAD
             staged.lm_head = reader.get(name, vocab_hidden, dtype, rows=vocab_rows).to(device)
         if staged.lm_head is not None and model.lm_head is not None:
-            staged.lm_head_packed = PackedLinear(staged.lm_head)
+            keep_plain = model.lm_head.weight is not None
+            staged.lm_head_packed = PackedLinear(staged.lm_head, keep_plain=keep_plain)
         staged.num_tensors = len(reader.names_read)
     finally:
         reader.close()

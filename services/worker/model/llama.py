@@ -152,14 +152,15 @@ class StageModel(nn.Module):
             return nn.Embedding(self.config.vocab_size, self.config.hidden_size)
         return VocabParallelEmbedding(self.tp, self.config.hidden_size)
 
-    def use_onednn(self) -> None:
+    def use_onednn(self, keep_plain: bool = False) -> None:
         """Run every matmul (projections, MLP, logits) through oneDNN with packed weights.
 
         CPU only, after the weights are loaded; see model/packed_linear.py for why.
+        `keep_plain`: matmuls of 1-4 rows on `cpu_ops.small_linear` (model/cpu_ops.py).
         """
-        swapped = pack_linears(self.layers)
+        swapped = pack_linears(self.layers, keep_plain)
         if self.lm_head_weight is not None:
-            self.lm_head = PackedLinear(self.lm_head_weight)
+            self.lm_head = PackedLinear(self.lm_head_weight, keep_plain=keep_plain)
             self.lm_head_weight = None  # the embedding keeps its own weight when tied
         logger.info(
             "stage %d: %d matmuls on oneDNN",

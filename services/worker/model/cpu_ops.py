@@ -1,0 +1,118 @@
+"""C++ CPU kernels for decode steps of a few rows: `small_linear` (csrc/cpu_ops.cpp).
+
+A decode step of one or two requests reads every weight once and does 2 flops per weight
+read: it is bound by memory bandwidth, and by how close the matmul kernel streams at it.
+oneDNN's packed GEMM and torch's int8 weight-only kernel are tiled for many rows; at one
+row they read the weights at a fraction of the bandwidth a plain streaming dot product
+reaches (docs/performance.md, "One request"). `small_linear` is that dot product: each
+thread streams whole rows of the plain [N, K] weight (float32, bfloat16 or int8 with a
+per-channel scale), widened to float32 in registers.
+
+Built once per machine like the attention kernel (attention/cpu_backend.py), with AVX-512
+where torch reports it (int8 -> float32 widening is the inner loop's cost there), into
+$TORCH_EXTENSIONS_DIR/conveyor-<torch version>/.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.errors import ConfigError
+from services.worker.attention.cpu_backend import build_directory, build_lock
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+MAX_ROWS = 4
+"""Rows up to which `small_linear` serves a matmul (the C++ kernel's kMaxRows): from ~4
+rows on, oneDNN's register tiling pays more than streaming saves (measured, same page)."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _arch() -> tuple[str, list[str]]:
+    """(name, vector flags): AVX-512 only where torch itself runs AVX-512 kernels."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+    if capability.startswith("AVX2"):
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+@functools.cache
+def load_kernels():
+    """The compiled extension (built on first use); ConfigError when it cannot build."""
+    from torch.utils.cpp_extension import load
+
+    arch, arch_flags = _arch()
+    name = f"conveyor_cpu_ops_{arch}"
+    start = time.monotonic()
+    directory = build_directory(name)
+    copy = directory / SOURCE.name  # built from a copy: see cpu_backend._source_in
+    try:
+        with build_lock(directory):
+            if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
+                shutil.copyfile(SOURCE, copy)
+            module = load(
+                name=name,
+                sources=[str(copy)],
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except Exception as exc:  # compiler, headers or ninja missing
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"the CPU matmul kernel did not build ({type(exc).__name__}: {first_line}); "
+            "install a C++ compiler and ninja (apt-get install g++ ninja-build)"
+        ) from exc
+    logger.info("CPU small-batch matmul kernel %s ready in %.1f s", name, time.monotonic() - start)
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel builds (or is already built) here; warns once when it does not."""
+    try:
+        load_kernels()
+    except ConfigError as exc:
+        logger.warning("%s; small-batch matmuls stay on oneDNN/torch", exc)
+        return False
+    return True
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether `small_linear(x, weight)` applies: a CPU matmul of 1..MAX_ROWS rows."""
+    return (
+        weight is not None
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.device.type == "cpu"
+        and weight.dtype in _DTYPES
+        and available()
+    )
+
+
+def small_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (* scale [N]) (+ bias [N]) -> [M, N] in x's dtype.
+
+    Computed in float32 (int8 and bfloat16 weights widened exactly); M <= MAX_ROWS.
+    """
+    out = load_kernels().small_linear(
+        x.to(torch.float32).contiguous(),
+        weight,
+        None if scale is None else scale.to(torch.float32).contiguous(),
+        None if bias is None else bias.to(torch.float32).contiguous(),
+    )
+    return out.to(x.dtype)

@@ -1,0 +1,85 @@
+"""The small-batch CPU matmul (model/cpu_ops.py): equal to the reference matmul for every
+weight format, chosen for 1-4 rows only, and switched by --linear-backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.config import WorkerConfig
+from services.worker.model import cpu_ops
+from services.worker.model.packed_linear import PackedLinear, onednn_supported
+from services.worker.model.quant import QuantLinear, dequantize
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_float32_equals_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 577, generator=gen)  # K not a multiple of any vector width
+    b = torch.randn(300, generator=gen) if bias else None
+    x = torch.randn(rows, 577, generator=gen)
+    out = cpu_ops.small_linear(x, weight, bias=b)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_small_linear_bfloat16_weights_widen_exactly():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(130, 96, generator=gen).bfloat16()
+    x = torch.randn(2, 96, generator=gen).bfloat16()
+    out = cpu_ops.small_linear(x, weight)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float()).bfloat16()  # float32 accumulation
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_small_linear_int8_applies_the_channel_scale(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 64, generator=gen)
+    q, scale = (
+        torch.randint(-127, 128, (200, 64), generator=gen, dtype=torch.int8),
+        weight[:, 0].abs(),
+    )
+    x = torch.randn(rows, 64, generator=gen)
+    expected = F.linear(x, dequantize(q, scale, torch.float32))
+    torch.testing.assert_close(cpu_ops.small_linear(x, q, scale), expected, atol=1e-3, rtol=1e-4)
+
+
+def test_small_linear_rejects_too_many_rows_and_other_dtypes():
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_ops.small_linear(torch.randn(5, 8), torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 weights"):
+        cpu_ops.small_linear(torch.randn(1, 8), torch.randn(3, 8).half())
+    assert not cpu_ops.serves(torch.randn(5, 8), torch.randn(3, 8))
+    assert cpu_ops.serves(torch.randn(4, 8), torch.randn(3, 8))
+
+
+@pytest.mark.skipif(not onednn_supported("cpu", torch.float32), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 4, 5, 32])
+def test_packed_linear_keep_plain_agrees_on_both_paths(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    layer = PackedLinear(weight, b, keep_plain=True)
+    assert layer.small_batch and layer.weight is not None
+    torch.testing.assert_close(layer(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+    assert PackedLinear(weight, b).weight is None  # without keep_plain: one copy only
+
+
+def test_quant_linear_int8_small_batch_equals_the_int8_kernel():
+    gen = torch.Generator().manual_seed(3)
+    layer = QuantLinear("int8", torch.randn(256, 128, generator=gen), None)
+    x = torch.randn(2, 128, generator=gen).bfloat16()
+    small = layer(x)
+    layer.small_batch = False  # torch's _weight_int8pack_mm
+    torch.testing.assert_close(small.float(), layer(x).float(), atol=0.03, rtol=0.02)
+
+
+def test_linear_backend_auto_alone_uses_the_small_batch_kernel(tmp_path):
+    assert WorkerConfig(str(tmp_path)).uses_small_batch_kernel
+    assert not WorkerConfig(str(tmp_path), linear_backend="onednn").uses_small_batch_kernel
+    assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_small_batch_kernel

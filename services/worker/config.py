@@ -248,9 +248,11 @@ class WorkerConfig:
         return self.attention_backend or default_attention_backend(self.device)
 
     @property
-    def uses_small_batch_kernel(self) -> bool:
-        """Whether matmuls of 1-4 rows run on `cpu_ops.small_linear` beside oneDNN: on CPU
-        with --linear-backend auto (`onednn` keeps every matmul on oneDNN)."""
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the C++ CPU kernels of model/cpu_ops.py run: matmuls of 1-4 rows on
+        `small_linear` beside oneDNN, and each layer's elementwise work fused. On CPU with
+        --linear-backend auto; `onednn` keeps every matmul on oneDNN and the elementwise
+        work in eager PyTorch (the path before them, for comparisons)."""
         return self.linear_backend == "auto" and self.device == "cpu"
 
     @property

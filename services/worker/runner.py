@@ -121,7 +121,9 @@ class StageRunner:
             tensor_parallel_size=config.tensor_parallel_size,
         ).to(config.rank_device)
         if config.uses_onednn:
-            model.use_onednn(keep_plain=config.uses_small_batch_kernel)
+            model.use_onednn(keep_plain=config.uses_cpu_kernels)
+        if config.uses_cpu_kernels:
+            model.use_fused_cpu_ops()
         spec = KVCacheSpec(
             stage.num_layers,
             model.tp.shard.num_kv_heads,  # this rank's share of the KV cache

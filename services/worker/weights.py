@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from services.common.errors import InvalidRequest, ModelLoadError
-from services.worker.model.llama import DecoderLayer, StageModel
+from services.worker.model.llama import DecoderLayer, StageModel, fuse_layer
 from services.worker.model.loader import _fill_layer, _param
 from services.worker.model.packed_linear import PackedLinear, pack_linears
 from services.worker.model.quant import quantize_like
@@ -169,6 +169,8 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             quantize_like(model, layer, dtype)
             if isinstance(live.self_attn.qkv_proj, PackedLinear):  # as the live layer is
                 pack_linears(layer, keep_plain=live.self_attn.qkv_proj.weight is not None)
+            if live.fused:
+                fuse_layer(layer, live.self_attn.attend)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:
             staged.embed = reader.get(EMBED, vocab_hidden, dtype, rows=vocab_rows).to(device)

@@ -80,6 +80,6 @@ def test_quant_linear_int8_small_batch_equals_the_int8_kernel():
 
 
 def test_linear_backend_auto_alone_uses_the_small_batch_kernel(tmp_path):
-    assert WorkerConfig(str(tmp_path)).uses_small_batch_kernel
-    assert not WorkerConfig(str(tmp_path), linear_backend="onednn").uses_small_batch_kernel
-    assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_small_batch_kernel
+    assert WorkerConfig(str(tmp_path)).uses_cpu_kernels
+    assert not WorkerConfig(str(tmp_path), linear_backend="onednn").uses_cpu_kernels
+    assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_cpu_kernels

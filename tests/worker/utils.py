@@ -101,6 +101,7 @@ def make_runners(
         )
         if onednn:  # as --linear-backend auto: oneDNN, and few-row matmuls on cpu_ops
             model.use_onednn(keep_plain=True)
+            model.use_fused_cpu_ops()
         spec = KVCacheSpec(
             stage.num_layers,
             config.num_key_value_heads,

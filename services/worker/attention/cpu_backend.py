@@ -156,3 +156,14 @@ def paged_attention_forward(
     return torch_backend.paged_attention_forward(
         q, k, v, k_cache, v_cache, meta, scale, decode=decode_attention
     )
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as torch_backend.attend_cached (K/V rows already written)."""
+    return torch_backend.attend_cached(q, k_cache, v_cache, meta, scale, decode=decode_attention)

@@ -116,3 +116,47 @@ def small_linear(
         None if bias is None else bias.to(torch.float32).contiguous(),
     )
     return out.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] (float32 or bfloat16) in one pass; HF's operation order."""
+    return load_kernels().rms_norm(x.contiguous(), weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) in one pass: the residual add before a norm."""
+    return load_kernels().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused [T, 2I] gate/up projection -> [T, I]."""
+    return load_kernels().silu_mul(gate_up.contiguous())
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: q and k rotated by RoPE at
+    `positions` (float32 tables [P, D]), k and v written to the paged caches at
+    `slot_mapping`; returns q [T, Hq, D]."""
+    return load_kernels().rope_write_kv(
+        qkv.contiguous(),
+        cos_table,
+        sin_table,
+        positions,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+    )

@@ -1,4 +1,10 @@
-// Small-batch matmuls for the CPU decode step: y = (x @ W.T) * scale + bias for a few rows.
+// CPU kernels for the decode step (model/cpu_ops.py): a small-batch matmul, and the
+// elementwise work of a decoder layer fused into one pass each (RMSNorm, residual add +
+// RMSNorm, SiLU * up, RoPE of q and k + the KV cache write), which in eager PyTorch costs
+// 4-20 dispatched ops apiece: at one request per step that dispatch, not arithmetic, is
+// the time.
+//
+// small_linear: y = (x @ W.T) * scale + bias for a few rows.
 //
 //   x      [M, K]  float32, contiguous, M <= kMaxRows (the rows that decode this step)
 //   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
@@ -19,6 +25,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <cmath>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -106,7 +115,185 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+// ------------------------------------------------------------------ fused elementwise ops
+// Float32 math whatever the storage dtype (float32 or bfloat16), in HF transformers' order:
+// RMSNorm computes in float32 and rounds x * rsqrt(mean(x^2) + eps) to the dtype before
+// the weight multiplies it.
+
+namespace {
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum_out, T* out, int64_t rows,
+                   int64_t hidden, double eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      float sq = 0.f;
+      if (delta != nullptr) {  // residual add first, rounded to the dtype as torch would
+        const T* dr = delta + r * hidden;
+        T* sr = sum_out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+          row[i] = static_cast<float>(sr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(xr[i]);
+      }
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < hidden; ++i) sq += row[i] * row[i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sq) / hidden + eps));
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = static_cast<T>(static_cast<float>(weight[i]) *
+                              static_cast<float>(static_cast<T>(row[i] * inv)));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows * inter, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / inter, c = i % inter;
+      const float g = static_cast<float>(gate_up[r * 2 * inter + c]);
+      const float u = static_cast<float>(gate_up[r * 2 * inter + inter + c]);
+      const T act = static_cast<T>(g / (1.f + std::exp(-g)));  // torch's silu, rounded
+      out[i] = static_cast<T>(static_cast<float>(act) * u);
+    }
+  });
+}
+
+// Rotate one head [D] by the angles of a position: x * cos + rotate_half(x) * sin.
+template <typename T>
+inline void rope_head(const T* x, const float* cos, const float* sin, int64_t dim, T* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = static_cast<float>(x[i]);
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const float c = static_cast<float>(static_cast<T>(cos[i]));  // the tables in the dtype
+    const float s = static_cast<float>(static_cast<T>(sin[i]));
+    out[i] = static_cast<T>(static_cast<float>(static_cast<T>(v * c)) +
+                            static_cast<float>(static_cast<T>(rotated * s)));
+  }
+}
+
+template <typename T>
+void rope_write_kv_rows(const T* qkv, const float* cos_table, const float* sin_table,
+                        const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
+                        T* q_out, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t dim, int64_t num_positions, int64_t num_slots) {
+  const int64_t row_stride = (num_heads + 2 * num_kv_heads) * dim, kv_row = num_kv_heads * dim;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      // an out-of-range position or slot would read or write outside the tables
+      TORCH_CHECK(positions[r] >= 0 && positions[r] < num_positions,
+                  "rope_write_kv: position ", positions[r], " is outside the RoPE table");
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "rope_write_kv: slot ", slots[r],
+                  " is outside the KV cache");
+      const T* src = qkv + r * row_stride;
+      const float* cos = cos_table + positions[r] * dim;
+      const float* sin = sin_table + positions[r] * dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_head(src + h * dim, cos, sin, dim, q_out + (r * num_heads + h) * dim);
+      T* k_dst = k_cache + slots[r] * kv_row;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rope_head(src + (num_heads + h) * dim, cos, sin, dim, k_dst + h * dim);
+      std::copy(src + (num_heads + num_kv_heads) * dim, src + row_stride, v_cache + slots[r] * kv_row);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && !t.is_cuda(), name,
+              ": a contiguous 2-D CPU tensor expected");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16 expected, got ", t.scalar_type());
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) &&
+                  weight.is_contiguous(), "rms_norm: weight must be [hidden] in x's dtype");
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), nullptr,
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(delta, "add_rms_norm");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) &&
+                  weight.is_contiguous(), "add_rms_norm: x, delta [T, hidden] and weight [hidden] in one dtype");
+  auto sum = torch::empty_like(x), out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
+  return {sum, out};
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [T, 2 * intermediate] expected");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            gate_up.size(0), inter);
+  });
+  return out;
+}
+
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_table,
+                            const torch::Tensor& sin_table, const torch::Tensor& positions,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache,
+                            const torch::Tensor& slot_mapping, int64_t num_heads,
+                            int64_t num_kv_heads) {
+  check_rows(qkv, "rope_write_kv");
+  const int64_t rows = qkv.size(0), dim = cos_table.size(1);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
+              "rope_write_kv: qkv must be [T, (Hq + 2 Hkv) * D]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                  sin_table.sizes() == cos_table.sizes(),
+              "rope_write_kv: contiguous float32 cos/sin tables [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.numel() == rows && slot_mapping.numel() == rows &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "rope_write_kv: int64 positions and slot_mapping [T]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
+                  k_cache.size(3) == dim,
+              "rope_write_kv: caches [N, bs, Hkv, D] in qkv's dtype");
+  auto q = torch::empty({rows, num_heads, dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
+    rope_write_kv_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos_table.data_ptr<float>(),
+                                 sin_table.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                                 slot_mapping.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(),
+                                 v_cache.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), rows,
+                                 num_heads, num_kv_heads, dim, cos_table.size(0),
+                                 k_cache.size(0) * k_cache.size(1));
+  });
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
+  m.def("rope_write_kv", &rope_write_kv,
+        "RoPE of q and k from a fused qkv [T, (Hq+2Hkv)*D]; k, v written to the paged cache "
+        "at slot_mapping; returns q [T, Hq, D]");
   m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none());

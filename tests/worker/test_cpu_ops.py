@@ -1,5 +1,7 @@
-"""The small-batch CPU matmul (model/cpu_ops.py): equal to the reference matmul for every
-weight format, chosen for 1-4 rows only, and switched by --linear-backend."""
+"""The C++ CPU kernels (model/cpu_ops.py): the small-batch matmul equal to the reference
+matmul for every weight format and chosen for 1-4 rows only, the fused elementwise kernels
+equal to the eager modules, the bfloat16-cache decode attention equal to torch's, and all
+of it switched by --linear-backend."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker.attention import cpu_backend, torch_backend
 from services.worker.config import WorkerConfig
 from services.worker.model import cpu_ops
+from services.worker.model.layers import RMSNorm, apply_rope
 from services.worker.model.packed_linear import PackedLinear, onednn_supported
 from services.worker.model.quant import QuantLinear, dequantize
 
@@ -83,3 +87,65 @@ def test_linear_backend_auto_alone_uses_the_small_batch_kernel(tmp_path):
     assert WorkerConfig(str(tmp_path)).uses_cpu_kernels
     assert not WorkerConfig(str(tmp_path), linear_backend="onednn").uses_cpu_kernels
     assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_cpu_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_and_silu_mul_equal_the_eager_modules(dtype):
+    gen = torch.Generator().manual_seed(5)
+    x, delta = (
+        torch.randn(5, 96, generator=gen).to(dtype),
+        torch.randn(5, 96, generator=gen).to(dtype),
+    )
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5
+    )
+    total, normed = cpu_ops.add_rms_norm(x, delta, norm.weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, norm(x + delta), atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(3, 64, generator=gen).to(dtype)
+    gate, up = gate_up.split(32, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_ropes_q_and_k_and_fills_the_cache(dtype):
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, positions = 4, 2, 16, torch.tensor([3, 0, 41])
+    cos, sin = torch.randn(50, dim, generator=gen), torch.randn(50, dim, generator=gen)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k_cache = torch.zeros(4, 8, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([9, 0, 31])
+    q = cpu_ops.rope_write_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, heads, kv_heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+    torch.testing.assert_close(q, apply_rope(q_ref.view(3, heads, dim), c, s), atol=1e-5, rtol=1e-5)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    torch.testing.assert_close(
+        flat_k[slots], apply_rope(k_ref.view(3, kv_heads, dim), c, s), atol=1e-5, rtol=1e-5
+    )
+    assert torch.equal(flat_v[slots], v_ref.reshape(3, kv_heads, dim))
+    assert flat_k.abs().sum(-1).sum(-1).count_nonzero() == 3  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        cpu_ops.rope_write_kv(
+            qkv, cos, sin, positions + 10, k_cache, v_cache, slots, heads, kv_heads
+        )
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        cpu_ops.rope_write_kv(
+            qkv, cos, sin, positions, k_cache, v_cache, slots + 1, heads, kv_heads
+        )
+
+
+def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
+    v_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
+    q = torch.randn(3, 6, 32, generator=gen).bfloat16()
+    tables = torch.tensor([[0, 5, 7, 0], [1, 2, 3, 4], [9, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 64, 3], dtype=torch.int32)
+    ours = cpu_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    ref = torch_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), atol=0.02, rtol=0.02)

@@ -109,13 +109,7 @@ def small_linear(
 
     Computed in float32 (int8 and bfloat16 weights widened exactly); M <= MAX_ROWS.
     """
-    out = load_kernels().small_linear(
-        x.to(torch.float32).contiguous(),
-        weight,
-        None if scale is None else scale.to(torch.float32).contiguous(),
-        None if bias is None else bias.to(torch.float32).contiguous(),
-    )
-    return out.to(x.dtype)
+    return load_kernels().small_linear(x, weight, scale, bias)  # casts in C++
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,3 +154,24 @@ def rope_write_kv(
         num_heads,
         num_kv_heads,
     )
+
+
+def decode_attention_bf16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU decode attention (attention/cpu_backend.py) over bfloat16 KV caches:
+    q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32."""
+    out = load_kernels().decode_attention_bf16(
+        q.to(torch.float32).contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        scale,
+    )
+    return out.to(q.dtype)

@@ -111,7 +111,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.method == "int8" and self.small_batch and cpu_ops.serves(x, self.qweight):
-            out = cpu_ops.small_linear(x, self.qweight, self.scale).to(x.dtype)
+            out = cpu_ops.small_linear(x, self.qweight, self.scale)
         elif self.method == "int8" and x.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.qweight, self.scale_bf16

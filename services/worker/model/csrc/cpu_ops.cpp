@@ -6,11 +6,11 @@
 //
 // small_linear: y = (x @ W.T) * scale + bias for a few rows.
 //
-//   x      [M, K]  float32, contiguous, M <= kMaxRows (the rows that decode this step)
+//   x      [M, K]  float32 or bfloat16, M <= kMaxRows (the rows that decode this step)
 //   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
-//   scale  [N]     float32 or undefined: per-output-channel scale of int8 weights
-//   bias   [N]     float32 or undefined
-//   returns [M, N] float32
+//   scale  [N]     or undefined: per-output-channel scale of int8 weights
+//   bias   [N]     or undefined
+//   returns [M, N] in x's dtype (computed in float32)
 //
 // Why: with one or two rows a decode step is a stream of weight bytes (every weight read
 // once, 2 flops each), so what counts is how fast W comes in from memory. oneDNN's packed
@@ -24,6 +24,9 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <cmath>
 #include <tuple>
@@ -40,19 +43,47 @@ inline float widen(uint16_t v) {  // bfloat16 bits -> float32: the high half of 
   return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16);
 }
 
+// 16 weights widened to float32 lanes (AVX-512 builds only).
+#ifdef __AVX512F__
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each float
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+#endif
+
+// x . w over K: four accumulators, since one chain of dependent FMAs waits on the FMA
+// latency, which for int8 and bfloat16 weights (a widening per 16 weights) is slower than
+// memory; the compiler does not split a reduction by itself.
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t K) {
+  int64_t k = 0;
+  float sum = 0.f;
+#ifdef __AVX512F__
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(w + k + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load16(w + k + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), load16(w + k + 48), a3);
+  }
+  for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#endif
+  for (; k < K; ++k) sum += x[k] * widen(w[k]);
+  return sum;
+}
+
 template <typename W, int64_t R>
 void dot_rows(const float* x, const W* weight, const float* scale, const float* bias, float* out,
               int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     const W* w = weight + n * K;
     float acc[R];
-    for (int64_t r = 0; r < R; ++r) {
-      const float* xr = x + r * K;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < K; ++k) sum += xr[k] * widen(w[k]);
-      acc[r] = sum;
-    }
+    for (int64_t r = 0; r < R; ++r) acc[r] = dot(x + r * K, w, K);
     const float s = scale ? scale[n] : 1.f, b = bias ? bias[n] : 0.f;
     for (int64_t r = 0; r < R; ++r) out[r * N + n] = acc[r] * s + b;
   }
@@ -80,23 +111,26 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
               "small_linear: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear: 1 to ", kMaxRows,
               " rows, got ", x.size(0));
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.is_contiguous(),
-              "small_linear: contiguous float32 x and a contiguous weight");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  weight.is_contiguous(),
+              "small_linear: float32 or bfloat16 x and a contiguous weight");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const float* scale_ptr = nullptr;
   const float* bias_ptr = nullptr;
+  // casts here rather than in Python: each costs a dispatch there, per matmul
+  torch::Tensor scale_f, bias_f, x_f = x.to(at::kFloat).contiguous();
   if (scale.has_value() && scale->defined()) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == N && scale->is_contiguous(),
-                "small_linear: scale must be [N] contiguous float32");
-    scale_ptr = scale->data_ptr<float>();
+    scale_f = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(scale_f.numel() == N, "small_linear: scale must be [N]");
+    scale_ptr = scale_f.data_ptr<float>();
   }
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-                "small_linear: bias must be [N] contiguous float32");
-    bias_ptr = bias->data_ptr<float>();
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == N, "small_linear: bias must be [N]");
+    bias_ptr = bias_f.data_ptr<float>();
   }
-  auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  auto out = torch::empty({M, N}, x_f.options());
+  const float* xp = x_f.data_ptr<float>();
   float* op = out.data_ptr<float>();
   switch (weight.scalar_type()) {
     case at::kFloat:
@@ -112,7 +146,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
       TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
                   weight.scalar_type());
   }
-  return out;
+  return out.to(x.scalar_type());
 }
 
 // ------------------------------------------------------------------ fused elementwise ops
@@ -287,7 +321,113 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_t
   return q;
 }
 
+// ------------------------------------------------------------------ decode attention, bf16 KV
+// attention/csrc/paged_decode.cpp for bfloat16 caches: the same algorithm (one query token
+// per sequence, its context read in place, all query heads of a KV head together, softmax
+// in float32), each K/V element widened to float32 as it is read. Without it a bfloat16
+// cache took torch's reference path (a dense copy of the context + SDPA, every layer).
+
+namespace {
+
+constexpr float kMinExponent = -30.f;
+
+inline float dot_widen(const float* a, const uint16_t* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * widen(b[i]);
+  return acc;
+}
+
+inline void axpy_widen(float alpha, const uint16_t* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
+}
+
+}  // namespace
+
+torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                    const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "decode_attention_bf16: float32 q and bfloat16 caches only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "decode_attention_bf16: int32 block_tables and seq_lens");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "decode_attention_bf16: contiguous tensors only");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim,
+              "decode_attention_bf16: q and cache shapes disagree");
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+
+  auto out = torch::empty_like(q);
+  const float* q_ptr = q.data_ptr<float>();
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(num_heads * head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const float* query = q_ptr + seq * num_heads * head_dim;  // [Hq, D]
+      float* dst = out_ptr + seq * num_heads * head_dim;
+      if (len <= 0) {
+        std::fill(dst, dst + num_heads * head_dim, 0.f);
+        continue;
+      }
+      TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
+                  "decode_attention_bf16: seq_len beyond the block table");
+      const int32_t* table = tables + seq * max_blocks;
+      auto row = [&](const uint16_t* cache, int64_t t) {  // token t's [Hkv, D]
+        const int64_t block = table[t / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention_bf16: bad block id");
+        return cache + block * block_stride + (t % block_size) * token_stride;
+      };
+      scores.resize(num_heads * len);  // [Hq, len]
+      for (int64_t t = 0; t < len; ++t) {
+        const uint16_t* key = row(k_ptr, t);
+        for (int64_t head = 0; head < num_heads; ++head)
+          scores[head * len + t] = softmax_scale * dot_widen(query + head * head_dim,
+                                                             key + (head / group) * head_dim, head_dim);
+      }
+      for (int64_t head = 0; head < num_heads; ++head) {
+        float* sc = scores.data() + head * len;
+        float max_score = sc[0];
+        for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, sc[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          const float xv = sc[t] - max_score;
+          sc[t] = xv < kMinExponent ? 0.f : std::exp(std::max(xv, kMinExponent));
+          sum += sc[t];
+        }
+        const float inv_sum = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const uint16_t* value = row(v_ptr, t);
+        for (int64_t head = 0; head < num_heads; ++head)
+          axpy_widen(scores[head * len + t], value + (head / group) * head_dim,
+                     acc.data() + head * head_dim, head_dim);
+      }
+      std::copy(acc.begin(), acc.end(), dst);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention_bf16", &decode_attention_bf16,
+        "Paged decode attention over bfloat16 KV caches (CPU), float32 q and output");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");

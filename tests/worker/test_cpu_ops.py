@@ -150,3 +150,19 @@ def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
     ref = torch_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.skipif(
+    not cpu_ops.available() or not cpu_ops.load_kernels().int8_any_rows(64),
+    reason="this CPU has no AVX512-VNNI",
+)
+def test_int8_rows_do_not_depend_on_the_batch_around_them():
+    """Sync and async scheduling batch requests differently: on AVX512-VNNI every batch size
+    takes one arithmetic, so a row's output is bit-identical alone and in a batch of 40."""
+    gen = torch.Generator().manual_seed(8)
+    layer = QuantLinear("int8", torch.randn(96, 64, generator=gen), None)
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    batch = layer(x)
+    for row in (0, 3, 4, 39):
+        assert torch.equal(layer(x[row : row + 1]), batch[row : row + 1])
+    assert torch.equal(layer(x[:4]), batch[:4])

@@ -88,15 +88,22 @@ def available() -> bool:
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether `small_linear(x, weight)` applies: a CPU matmul of 1..MAX_ROWS rows."""
+    """Whether `small_linear(x, weight)` applies: a CPU matmul of 1..MAX_ROWS rows, or of
+    any number of rows for int8 weights on AVX512-VNNI (one arithmetic for every batch
+    size there: a row's result does not depend on the batch around it)."""
     return (
         weight is not None
         and x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
         and x.device.type == "cpu"
         and weight.dtype in _DTYPES
         and available()
+        and x.shape[0] >= 1
+        and (x.shape[0] <= MAX_ROWS or _int8_any_rows(weight))
     )
+
+
+def _int8_any_rows(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.int8 and load_kernels().int8_any_rows(weight.shape[1])
 
 
 def small_linear(

@@ -134,6 +134,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni(const in
   return sum;
 }
 
+// Both operands already int16 (the weight row widened once, for many rows of x).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni16(const int16_t* xq,
+                                                                            const int16_t* w,
+                                                                            int64_t K) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
+    a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(xq + k + 32), _mm512_loadu_si512(w + k + 32));
+  }
+  for (; k + 32 <= K; k += 32)
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
+  int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  for (; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * static_cast<int32_t>(w[k]);
+  return sum;
+}
+
+// Any number of rows: the int8 path is the same arithmetic for every batch size, so a row's
+// result never depends on the batch around it (sync and async scheduling batch requests
+// differently, and must give the same tokens).
 void int8_vnni(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
                float* out, int64_t K, int64_t N) {
   std::vector<int16_t> xq(M * K);
@@ -147,11 +167,20 @@ void int8_vnni(int64_t M, const float* x, const int8_t* w, const float* scale, c
     x_scale[r] = amax / 32767.f;
   }
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> w16(M > kMaxRows ? K : 0);
     for (int64_t n = begin; n < end; ++n) {
       const float s = scale ? scale[n] : 1.f, b = bias ? bias[n] : 0.f;
-      for (int64_t r = 0; r < M; ++r)
-        out[r * N + n] = static_cast<float>(dot_vnni(xq.data() + r * K, w + n * K, K)) *
-                             x_scale[r] * s + b;
+      const int8_t* row = w + n * K;
+      if (M > kMaxRows) {  // widen the weight row once for all the rows of x
+        for (int64_t k = 0; k < K; ++k) w16[k] = row[k];
+        for (int64_t r = 0; r < M; ++r)
+          out[r * N + n] = static_cast<float>(dot_vnni16(xq.data() + r * K, w16.data(), K)) *
+                               x_scale[r] * s + b;
+      } else {
+        for (int64_t r = 0; r < M; ++r)
+          out[r * N + n] = static_cast<float>(dot_vnni(xq.data() + r * K, row, K)) *
+                               x_scale[r] * s + b;
+      }
     }
   });
 }
@@ -163,8 +192,10 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_linear: 1 to ", kMaxRows,
-              " rows, got ", x.size(0));
+  const bool int8_any_rows = weight.scalar_type() == at::kChar && has_vnni() &&
+                             x.size(1) <= kMaxVnniK;
+  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8_any_rows), "small_linear: 1 to ",
+              kMaxRows, " rows (any number for int8 weights on AVX512-VNNI), got ", x.size(0));
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   weight.is_contiguous(),
               "small_linear: float32 or bfloat16 x and a contiguous weight");
@@ -194,7 +225,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
       run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
       break;
     case at::kChar:
-      if (has_vnni() && K <= kMaxVnniK)
+      if (int8_any_rows)
         int8_vnni(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
       else
         run(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
@@ -495,4 +526,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none());
   m.attr("max_rows") = kMaxRows;
+  m.def("int8_any_rows", [](int64_t in_features) { return has_vnni() && in_features <= kMaxVnniK; },
+        "whether small_linear takes int8 weights of this width for any number of rows");
 }

@@ -511,7 +511,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--linear-backend",
         choices=["auto", "onednn", "torch"],
         default="auto",
-        help="workers' matmul kernels (default: auto = onednn on CPU)",
+        help="workers' matmul kernels (default: auto = onednn on CPU, with the C++ "
+        "small-batch and fused kernels)",
     )
     parser.add_argument(
         "--cpu-affinity",

@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=default("linear_backend"),
         help="matmul kernels: onednn (weights packed once; 2-2.5x faster than "
         "torch's MKL path on CPUs with AVX-512) or torch; auto = onednn "
-        "on CPU (default: auto)",
+        "on CPU, plus the C++ kernels of model/cpu_ops.py for decode steps of "
+        "1-4 rows and fused elementwise ops (default: auto)",
     )
     parser.add_argument(
         "--cpu-affinity",

@@ -80,7 +80,8 @@ class WorkerConfig:
     None: the method's default (fp8: down_proj, int8: none; FP8 checkpoints: none)."""
     linear_backend: str = "auto"
     """`--linear-backend`: matmuls on "onednn" (packed weights, CPU) or plain "torch";
-    "auto" takes oneDNN wherever it is supported."""
+    "auto" takes oneDNN wherever it is supported, and on CPU runs matmuls of 1-4 rows (decode
+    steps of a few requests) on the streaming kernel of model/cpu_ops.py."""
     host: str = "[::]"
     """`--host`: gRPC bind address."""
     port: int = DEFAULT_PORT
@@ -265,6 +266,14 @@ class WorkerConfig:
         from services.worker.model.llama import default_attention_backend
 
         return self.attention_backend or default_attention_backend(self.device)
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether the C++ CPU kernels of model/cpu_ops.py run: matmuls of 1-4 rows on
+        `small_linear` beside oneDNN, and each layer's elementwise work fused. On CPU with
+        --linear-backend auto; `onednn` keeps every matmul on oneDNN and the elementwise
+        work in eager PyTorch (the path before them, for comparisons)."""
+        return self.linear_backend == "auto" and self.device == "cpu"
 
     @property
     def uses_onednn(self) -> bool:

@@ -143,7 +143,9 @@ class StageRunner:
             tensor_parallel_size=config.tensor_parallel_size,
         ).to(config.rank_device)
         if config.uses_onednn:
-            model.use_onednn()
+            model.use_onednn(keep_plain=config.uses_cpu_kernels)
+        if config.uses_cpu_kernels:
+            model.use_fused_cpu_ops()
         spec = KVCacheSpec(
             stage.num_layers,
             model.tp.shard.num_kv_heads,  # this rank's share of the KV cache
@@ -299,6 +301,19 @@ class StageRunner:
         self.timing.sample_s += t3 - t2
         return out
 
+    def _is_plain_greedy(self, state: RequestState) -> bool:
+        """Greedy, no penalties, no logprobs, no token masked (min_tokens): its token is the
+        argmax of its logits, which the sampler would return after building a batch of
+        per-row tensors (~15 small tensors a step, a real share of one request's step)."""
+        params = state.sampling
+        num_output = len(state.token_ids) - state.num_prompt_tokens
+        return (
+            params.is_greedy
+            and not params.has_penalties
+            and params.logprobs is None
+            and not params.masked_token_ids(num_output, self.eos_token_id)
+        )
+
     def _sample(
         self, step_id: int, batch: ScheduledBatch, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> StepResult:
@@ -326,7 +341,9 @@ class StageRunner:
         ]
         logits = self.model.compute_logits(hidden[rows])  # [R, V] float32; None: tp rank > 0
         logprobs = None
-        if logits is not None:
+        if logits is not None and all(self._is_plain_greedy(s) for s in states):
+            sampled = logits.argmax(dim=-1)  # what the sampler gives them, without its tensors
+        elif logits is not None:
             sampling_batch = SamplingBatch.from_requests(
                 [s.sampling for s in row_states],
                 [s.token_ids[: s.num_prompt_tokens] for s in row_states],

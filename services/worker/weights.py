@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from services.common.errors import InvalidRequest, ModelLoadError
-from services.worker.model.llama import DecoderLayer, StageModel
+from services.worker.model.llama import DecoderLayer, StageModel, fuse_layer
 from services.worker.model.loader import _fill_layer, _param
 from services.worker.model.packed_linear import PackedLinear, pack_linears
 from services.worker.model.quant import quantize_like
@@ -168,8 +168,11 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             _fill_layer(layer, f"model.layers.{layer_id}.", config, reader, dtype)
             quantize_like(model, layer, dtype)
             # Packed as the live layer is: all its linears, or those quantization kept.
-            if any(isinstance(m, PackedLinear) for m in live.modules()):
-                pack_linears(layer)
+            packed = next((m for m in live.modules() if isinstance(m, PackedLinear)), None)
+            if packed is not None:
+                pack_linears(layer, keep_plain=packed.weight is not None)
+            if live.fused:
+                fuse_layer(layer, live.self_attn.attend)
             staged.layers[local] = layer.to(device).eval()
         if selection.embed:
             staged.embed = reader.get(EMBED, vocab_hidden, dtype, rows=vocab_rows).to(device)
@@ -181,7 +184,8 @@ def stage_weights(model: StageModel, reader, selection: WeightSelection, version
             name = EMBED if config.tie_word_embeddings else LM_HEAD
             staged.lm_head = reader.get(name, vocab_hidden, dtype, rows=vocab_rows).to(device)
         if staged.lm_head is not None and model.lm_head is not None:
-            staged.lm_head_packed = PackedLinear(staged.lm_head)
+            keep_plain = model.lm_head.weight is not None
+            staged.lm_head_packed = PackedLinear(staged.lm_head, keep_plain=keep_plain)
         staged.num_tensors = len(reader.names_read)
     finally:
         reader.close()

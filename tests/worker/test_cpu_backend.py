@@ -68,12 +68,17 @@ def test_decode_kernel_uses_threads_without_changing_results():
     assert torch.equal(one, two)
 
 
-def test_non_float32_caches_take_the_reference_path():
+def test_other_caches_take_the_bfloat16_kernel_or_the_reference_path():
     q, k_cache, v_cache, tables, lens = paged_decode_case(2, 4, 2, 16, 8, [5, 9])
-    args = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens)
-    ours = cpu_backend.decode_attention(*args, 0.25)
-    assert ours.dtype == torch.bfloat16
+    args = (q.half(), k_cache.half(), v_cache.half(), tables, lens)
+    ours = cpu_backend.decode_attention(*args, 0.25)  # float16: the torch reference itself
+    assert ours.dtype == torch.float16
     torch.testing.assert_close(ours, torch_backend.decode_attention(*args, 0.25))
+    args = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens)
+    ours = cpu_backend.decode_attention(*args, 0.25)  # model/cpu_ops.py's bf16 twin
+    assert ours.dtype == torch.bfloat16
+    ref = torch_backend.decode_attention(*args, 0.25)
+    torch.testing.assert_close(ours.float(), ref.float(), atol=0.02, rtol=0.02)
 
 
 def test_kernel_rejects_bad_inputs_with_a_message():

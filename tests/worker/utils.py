@@ -99,8 +99,9 @@ def make_runners(
         model = load_quantized_stage(
             model_dir, stage, dtype, quantization, attention_backend=attention_backend
         )
-        if onednn:
-            model.use_onednn()
+        if onednn:  # as --linear-backend auto: oneDNN, and few-row matmuls on cpu_ops
+            model.use_onednn(keep_plain=True)
+            model.use_fused_cpu_ops()
         spec = KVCacheSpec(
             stage.num_layers,
             config.num_key_value_heads,

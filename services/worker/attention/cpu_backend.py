@@ -129,7 +129,13 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """torch_backend.decode_attention on the C++ kernel (float32 caches)."""
+    """torch_backend.decode_attention on the C++ kernel (float32 caches; bfloat16 caches
+    on its twin in model/cpu_ops.py when that builds)."""
+    if k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu":
+        from services.worker.model import cpu_ops  # imports this module: not at the top
+
+        if cpu_ops.available():
+            return cpu_ops.decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if k_cache.dtype != torch.float32 or k_cache.device.type != "cpu":
         return torch_backend.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = load_kernels().paged_decode_attention(
@@ -156,3 +162,14 @@ def paged_attention_forward(
     return torch_backend.paged_attention_forward(
         q, k, v, k_cache, v_cache, meta, scale, decode=decode_attention
     )
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as torch_backend.attend_cached (K/V rows already written)."""
+    return torch_backend.attend_cached(q, k_cache, v_cache, meta, scale, decode=decode_attention)

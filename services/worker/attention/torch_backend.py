@@ -56,6 +56,19 @@ def paged_attention_forward(
     replaces the attention of one-token rows (the CPU backend passes its C++ kernel).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend_cached(q, k_cache, v_cache, meta, scale, decode)
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeFn | None = None,
+) -> torch.Tensor:
+    """`paged_attention_forward` once this step's K/V rows are in the cache (the fused CPU
+    path writes them with its RoPE kernel, model/cpu_ops.py)."""
     decode = decode or decode_attention
     if meta.is_decode_only:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)

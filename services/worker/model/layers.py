@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.model import cpu_ops
 from services.worker.model.config import ModelConfig, RopeScaling
 from services.worker.model.tensor_parallel import TensorParallel, single_rank
 
@@ -23,8 +24,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.fused = False
+        """On CPU: one pass of the C++ kernel (model/cpu_ops.py), same operation order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.fused:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)  # [T, 1]
@@ -97,7 +102,11 @@ class SwiGLU(nn.Module):
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias and self.tp.rank == 0)
+        self.fused = False
+        """On CPU: silu(gate) * up in one pass of the C++ kernel (model/cpu_ops.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.fused:
+            return self.tp.all_reduce(self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I/tp] x 2
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))

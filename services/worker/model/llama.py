@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
+from services.worker.model import cpu_ops
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 from services.worker.model.packed_linear import PackedLinear, pack_linears
@@ -83,6 +84,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             self.q_size, config.hidden_size, bias=config.o_bias and self.tp.rank == 0
         )
+        self.attend: AttentionFn | None = None
+        """Fused CPU path (`StageModel.use_fused_cpu_ops`): the backend's attention over
+        the cache, after one C++ pass ropes q and k and writes k, v (model/cpu_ops.py)."""
 
     def forward(
         self,
@@ -91,7 +95,20 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """cos_sin: [T, 1, D] x 2, one row per token; on the fused path the [P, D] tables."""
         num_tokens = x.shape[0]
+        if self.attend is not None:
+            q = cpu_ops.rope_write_kv(
+                self.qkv_proj(x),
+                *cos_sin,
+                meta.positions,
+                *kv_cache,
+                meta.slot_mapping,
+                self.num_heads,
+                self.num_kv_heads,
+            )  # [T, Hq, D]
+            out = self.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # [T, Hq, D]
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
@@ -111,10 +128,23 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, attention_fn, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config, tp)
+        self.fused = False
+        """On CPU: the residual add and the second norm in one C++ pass (model/cpu_ops.py)."""
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
+        if self.fused:
+            attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+            norm = self.post_attention_layernorm
+            x, normed = cpu_ops.add_rms_norm(x, attn, norm.weight, norm.eps)
+            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def fuse_layer(layer: DecoderLayer, attend: AttentionFn) -> None:
+    """Put one decoder layer on the fused CPU path (`StageModel.use_fused_cpu_ops`)."""
+    layer.fused = layer.input_layernorm.fused = layer.mlp.fused = True
+    layer.self_attn.attend = attend
 
 
 class StageModel(nn.Module):
@@ -132,6 +162,7 @@ class StageModel(nn.Module):
         self.config, self.stage = config, stage
         self.tp = tp or single_rank(config)
         """This rank's shard and the stage's group (one rank: no sharding)."""
+        self.attention_backend = attention_backend
         attention_fn = load_attention_backend(attention_backend)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = self._embedding() if stage.is_first else None
@@ -143,6 +174,8 @@ class StageModel(nn.Module):
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.lm_head: PackedLinear | None = None
         """The logits matmul in oneDNN's layout, once `use_onednn()` ran (last stage only)."""
+        self.fused = False
+        """Whether `use_fused_cpu_ops` ran."""
         self.quantization = None
         """The layers' weight quantization (model/quant.py `QuantSummary`), None: none."""
         self.requires_grad_(False)
@@ -152,20 +185,43 @@ class StageModel(nn.Module):
             return nn.Embedding(self.config.vocab_size, self.config.hidden_size)
         return VocabParallelEmbedding(self.tp, self.config.hidden_size)
 
-    def use_onednn(self) -> None:
+    def use_onednn(self, keep_plain: bool = False) -> None:
         """Run every matmul (projections, MLP, logits) through oneDNN with packed weights.
 
         CPU only, after the weights are loaded; see model/packed_linear.py for why.
+        `keep_plain`: matmuls of 1-4 rows on `cpu_ops.small_linear` (model/cpu_ops.py).
         """
-        swapped = pack_linears(self.layers)
+        swapped = pack_linears(self.layers, keep_plain)
         if self.lm_head_weight is not None:
-            self.lm_head = PackedLinear(self.lm_head_weight)
+            self.lm_head = PackedLinear(self.lm_head_weight, keep_plain=keep_plain)
             self.lm_head_weight = None  # the embedding keeps its own weight when tied
         logger.info(
             "stage %d: %d matmuls on oneDNN",
             self.stage.stage_index,
             swapped + (self.lm_head is not None),
         )
+
+    def use_fused_cpu_ops(self) -> bool:
+        """Run each layer's elementwise work as fused C++ passes (model/cpu_ops.py): RMSNorm,
+        residual add + RMSNorm, SiLU * up, RoPE + the KV write. A decode step of one request
+        dispatches ~40 small ops per layer in eager PyTorch, and that dispatch, not the
+        arithmetic, is their cost. CPU, float32 or bfloat16, torch or cpu attention only;
+        returns whether it applies (else nothing changes)."""
+        dtype = self.layers[0].input_layernorm.weight.dtype if len(self.layers) else None
+        if (
+            self.attention_backend not in ("cpu", "torch")
+            or self.rotary.cos_cache.device.type != "cpu"
+            or dtype not in (torch.float32, torch.bfloat16)
+            or not cpu_ops.available()
+        ):
+            return False
+        attend = importlib.import_module(ATTENTION_BACKENDS[self.attention_backend]).attend_cached
+        for layer in self.layers:
+            fuse_layer(layer, attend)
+        if self.norm is not None:
+            self.norm.fused = True
+        self.fused = True
+        return True
 
     def forward(
         self,
@@ -184,7 +240,10 @@ class StageModel(nn.Module):
             if hidden_states is None:
                 raise ValueError(f"stage {self.stage.stage_index} needs hidden_states")
             x = hidden_states
-        cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, 1, D] x 2
+        if self.fused:  # the kernel looks positions up itself
+            cos_sin = (self.rotary.cos_cache, self.rotary.sin_cache)  # [P, D] x 2 float32
+        else:
+            cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, 1, D] x 2
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta)
         return x

@@ -11,7 +11,10 @@ project's 2-core EPYC, one thread (`python -m services.bench.worker_step`):
     1 x (576 -> 49152) logits    8 GF/s       21 GF/s
 
 These are the same kernels torch.compile's CPU freezing pass emits (`mkldnn._linear_pointwise`).
-The packed weight replaces the plain one (no second copy is kept).
+The packed weight replaces the plain one, unless `keep_plain`: then the plain weight stays
+beside it for `cpu_ops.small_linear`, which serves the matmuls of 1-4 rows (a decode step of
+one or a few requests) closer to the memory bandwidth than oneDNN (model/cpu_ops.py); the
+weights then take twice their memory.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 
 import torch
 from torch import nn
+
+from services.worker.model import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +48,38 @@ def onednn_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only)."""
+    """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    With `keep_plain`, matmuls of up to `cpu_ops.MAX_ROWS` rows run on `small_linear` over
+    the plain weight kept beside the packed one (`small_batch` turns that off and on)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        weight = weight.detach().contiguous()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("weight", weight if keep_plain else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.small_batch = keep_plain and cpu_ops.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.small_batch and cpu_ops.serves(x, self.weight):
+            return cpu_ops.small_linear(x, self.weight, bias=self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, keep_plain: bool = False) -> int:
     """Swap every `nn.Linear` under `module` for a `PackedLinear`; returns how many."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, keep_plain))
                 swapped += 1
     return swapped

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError, ModelLoadError
+from services.worker.model import cpu_ops
 from services.worker.model.loader import SafetensorsReader, load_stage_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,14 @@ class QuantLinear(nn.Module):
     def num_bytes(self) -> int:
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
 
+    small_batch = True
+    """int8 on CPU: 1-4 rows on `cpu_ops.small_linear` (a decode step of a few requests;
+    torch's int8 kernel reads the weights at a fraction of the bandwidth there)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.method == "int8" and x.device.type == "cpu":
+        if self.method == "int8" and self.small_batch and cpu_ops.serves(x, self.qweight):
+            out = cpu_ops.small_linear(x, self.qweight, self.scale)
+        elif self.method == "int8" and x.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.qweight, self.scale_bf16
             ).to(x.dtype)

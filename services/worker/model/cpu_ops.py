@@ -1,0 +1,184 @@
+"""C++ CPU kernels for decode steps of a few rows: `small_linear` (csrc/cpu_ops.cpp).
+
+A decode step of one or two requests reads every weight once and does 2 flops per weight
+read: it is bound by memory bandwidth, and by how close the matmul kernel streams at it.
+oneDNN's packed GEMM and torch's int8 weight-only kernel are tiled for many rows; at one
+row they read the weights at a fraction of the bandwidth a plain streaming dot product
+reaches (docs/performance.md, "One request"). `small_linear` is that dot product: each
+thread streams whole rows of the plain [N, K] weight (float32, bfloat16 or int8 with a
+per-channel scale), widened to float32 in registers.
+
+Built once per machine like the attention kernel (attention/cpu_backend.py), with AVX-512
+where torch reports it (int8 -> float32 widening is the inner loop's cost there), into
+$TORCH_EXTENSIONS_DIR/conveyor-<torch version>/.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.errors import ConfigError
+from services.worker.attention.cpu_backend import build_directory, build_lock
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+MAX_ROWS = 4
+"""Rows up to which `small_linear` serves a matmul (the C++ kernel's kMaxRows): from ~4
+rows on, oneDNN's register tiling pays more than streaming saves (measured, same page)."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _arch() -> tuple[str, list[str]]:
+    """(name, vector flags): AVX-512 only where torch itself runs AVX-512 kernels."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+    if capability.startswith("AVX2"):
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+@functools.cache
+def load_kernels():
+    """The compiled extension (built on first use); ConfigError when it cannot build."""
+    from torch.utils.cpp_extension import load
+
+    arch, arch_flags = _arch()
+    name = f"conveyor_cpu_ops_{arch}"
+    start = time.monotonic()
+    directory = build_directory(name)
+    copy = directory / SOURCE.name  # built from a copy: see cpu_backend._source_in
+    try:
+        with build_lock(directory):
+            if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
+                shutil.copyfile(SOURCE, copy)
+            module = load(
+                name=name,
+                sources=[str(copy)],
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except Exception as exc:  # compiler, headers or ninja missing
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"the CPU matmul kernel did not build ({type(exc).__name__}: {first_line}); "
+            "install a C++ compiler and ninja (apt-get install g++ ninja-build)"
+        ) from exc
+    logger.info("CPU small-batch matmul kernel %s ready in %.1f s", name, time.monotonic() - start)
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel builds (or is already built) here; warns once when it does not."""
+    try:
+        load_kernels()
+    except ConfigError as exc:
+        logger.warning("%s; small-batch matmuls stay on oneDNN/torch", exc)
+        return False
+    return True
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether `small_linear(x, weight)` applies: a CPU matmul of 1..MAX_ROWS rows, or of
+    any number of rows for int8 weights on AVX512-VNNI (one arithmetic for every batch
+    size there: a row's result does not depend on the batch around it)."""
+    return (
+        weight is not None
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and weight.dtype in _DTYPES
+        and available()
+        and x.shape[0] >= 1
+        and (x.shape[0] <= MAX_ROWS or _int8_any_rows(weight))
+    )
+
+
+def _int8_any_rows(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.int8 and load_kernels().int8_any_rows(weight.shape[1])
+
+
+def small_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (* scale [N]) (+ bias [N]) -> [M, N] in x's dtype.
+
+    Computed in float32 (int8 and bfloat16 weights widened exactly); M <= MAX_ROWS.
+    """
+    return load_kernels().small_linear(x, weight, scale, bias)  # casts in C++
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] (float32 or bfloat16) in one pass; HF's operation order."""
+    return load_kernels().rms_norm(x.contiguous(), weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) in one pass: the residual add before a norm."""
+    return load_kernels().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused [T, 2I] gate/up projection -> [T, I]."""
+    return load_kernels().silu_mul(gate_up.contiguous())
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: q and k rotated by RoPE at
+    `positions` (float32 tables [P, D]), k and v written to the paged caches at
+    `slot_mapping`; returns q [T, Hq, D]."""
+    return load_kernels().rope_write_kv(
+        qkv.contiguous(),
+        cos_table,
+        sin_table,
+        positions,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+    )
+
+
+def decode_attention_bf16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU decode attention (attention/cpu_backend.py) over bfloat16 KV caches:
+    q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32."""
+    out = load_kernels().decode_attention_bf16(
+        q.to(torch.float32).contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        scale,
+    )
+    return out.to(q.dtype)

@@ -1,0 +1,531 @@
+// CPU kernels for the decode step (model/cpu_ops.py): a small-batch matmul, and the
+// elementwise work of a decoder layer fused into one pass each (RMSNorm, residual add +
+// RMSNorm, SiLU * up, RoPE of q and k + the KV cache write), which in eager PyTorch costs
+// 4-20 dispatched ops apiece: at one request per step that dispatch, not arithmetic, is
+// the time.
+//
+// small_linear: y = (x @ W.T) * scale + bias for a few rows.
+//
+//   x      [M, K]  float32 or bfloat16, M <= kMaxRows (the rows that decode this step)
+//   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
+//   scale  [N]     or undefined: per-output-channel scale of int8 weights
+//   bias   [N]     or undefined
+//   returns [M, N] in x's dtype (computed in float32)
+//
+// Why: with one or two rows a decode step is a stream of weight bytes (every weight read
+// once, 2 flops each), so what counts is how fast W comes in from memory. oneDNN's packed
+// GEMM and torch's int8 kernel tile for many rows; here each thread reads its own block of
+// whole weight rows front to back, widens them to float32 in registers, and dots them with
+// every row of x while they sit in L1 (docs/performance.md has the measurements).
+// Accumulation is in float32, in vector lanes: results match the reference matmul to
+// float32 rounding, not bit for bit.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <immintrin.h>
+#include <cstring>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;
+constexpr int64_t kRowsPerTask = 16;  // output channels per parallel work item (grain)
+
+inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+inline float widen(uint16_t v) {  // bfloat16 bits -> float32: the high half of a float
+  return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16);
+}
+
+// 16 weights widened to float32 lanes (AVX-512 builds only).
+#ifdef __AVX512F__
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each float
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+#endif
+
+// x . w over K: four accumulators, since one chain of dependent FMAs waits on the FMA
+// latency, which for int8 and bfloat16 weights (a widening per 16 weights) is slower than
+// memory; the compiler does not split a reduction by itself.
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t K) {
+  int64_t k = 0;
+  float sum = 0.f;
+#ifdef __AVX512F__
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(w + k + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load16(w + k + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), load16(w + k + 48), a3);
+  }
+  for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#endif
+  for (; k < K; ++k) sum += x[k] * widen(w[k]);
+  return sum;
+}
+
+template <typename W, int64_t R>
+void dot_rows(const float* x, const W* weight, const float* scale, const float* bias, float* out,
+              int64_t K, int64_t N, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const W* w = weight + n * K;
+    float acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = dot(x + r * K, w, K);
+    const float s = scale ? scale[n] : 1.f, b = bias ? bias[n] : 0.f;
+    for (int64_t r = 0; r < R; ++r) out[r * N + n] = acc[r] * s + b;
+  }
+}
+
+template <typename W>
+void run(int64_t M, const float* x, const W* w, const float* scale, const float* bias, float* out,
+         int64_t K, int64_t N) {
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: return dot_rows<W, 1>(x, w, scale, bias, out, K, N, begin, end);
+      case 2: return dot_rows<W, 2>(x, w, scale, bias, out, K, N, begin, end);
+      case 3: return dot_rows<W, 3>(x, w, scale, bias, out, K, N, begin, end);
+      default: return dot_rows<W, 4>(x, w, scale, bias, out, K, N, begin, end);
+    }
+  });
+}
+
+// int8 weights on AVX512-VNNI: the activations rounded to int16 per row (x ~= xq * amax /
+// 32767, error <= amax / 65534 per element, finer than the bfloat16 activations the int8
+// path takes) and dotted with the weights widened to int16 by `vpdpwssd`, 32 weights per
+// 2 vector ops where the float path needs 6 per 32: the float path is bound by that
+// widening (~15 GB/s per core), this one by memory. Exact integer sums: |q| <= 127,
+// |xq| <= 32767, and kMaxVnniK / 16 products per int32 lane stay below 2^31.
+constexpr int64_t kMaxVnniK = 8192;
+
+bool has_vnni() {
+  static const bool supported = __builtin_cpu_supports("avx512vnni") &&
+                                __builtin_cpu_supports("avx512bw");
+  return supported;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni(const int16_t* xq,
+                                                                          const int8_t* w,
+                                                                          int64_t K) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32)));
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), w0);
+    a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(xq + k + 32), w1);
+  }
+  for (; k + 32 <= K; k += 32) {
+    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), w0);
+  }
+  int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  for (; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * static_cast<int32_t>(w[k]);
+  return sum;
+}
+
+// Both operands already int16 (the weight row widened once, for many rows of x).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni16(const int16_t* xq,
+                                                                            const int16_t* w,
+                                                                            int64_t K) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
+    a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(xq + k + 32), _mm512_loadu_si512(w + k + 32));
+  }
+  for (; k + 32 <= K; k += 32)
+    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
+  int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  for (; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * static_cast<int32_t>(w[k]);
+  return sum;
+}
+
+// Any number of rows: the int8 path is the same arithmetic for every batch size, so a row's
+// result never depends on the batch around it (sync and async scheduling batch requests
+// differently, and must give the same tokens).
+void int8_vnni(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
+               float* out, int64_t K, int64_t N) {
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> x_scale(M);  // amax / 32767 of each row
+  for (int64_t r = 0; r < M; ++r) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[r * K + k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      xq[r * K + k] = static_cast<int16_t>(std::nearbyint(x[r * K + k] * inv));
+    x_scale[r] = amax / 32767.f;
+  }
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> w16(M > kMaxRows ? K : 0);
+    for (int64_t n = begin; n < end; ++n) {
+      const float s = scale ? scale[n] : 1.f, b = bias ? bias[n] : 0.f;
+      const int8_t* row = w + n * K;
+      if (M > kMaxRows) {  // widen the weight row once for all the rows of x
+        for (int64_t k = 0; k < K; ++k) w16[k] = row[k];
+        for (int64_t r = 0; r < M; ++r)
+          out[r * N + n] = static_cast<float>(dot_vnni16(xq.data() + r * K, w16.data(), K)) *
+                               x_scale[r] * s + b;
+      } else {
+        for (int64_t r = 0; r < M; ++r)
+          out[r * N + n] = static_cast<float>(dot_vnni(xq.data() + r * K, row, K)) *
+                               x_scale[r] * s + b;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                           const c10::optional<torch::Tensor>& scale,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_linear: x [M, K] and weight [N, K] expected");
+  const bool int8_any_rows = weight.scalar_type() == at::kChar && has_vnni() &&
+                             x.size(1) <= kMaxVnniK;
+  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8_any_rows), "small_linear: 1 to ",
+              kMaxRows, " rows (any number for int8 weights on AVX512-VNNI), got ", x.size(0));
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  weight.is_contiguous(),
+              "small_linear: float32 or bfloat16 x and a contiguous weight");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* scale_ptr = nullptr;
+  const float* bias_ptr = nullptr;
+  // casts here rather than in Python: each costs a dispatch there, per matmul
+  torch::Tensor scale_f, bias_f, x_f = x.to(at::kFloat).contiguous();
+  if (scale.has_value() && scale->defined()) {
+    scale_f = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(scale_f.numel() == N, "small_linear: scale must be [N]");
+    scale_ptr = scale_f.data_ptr<float>();
+  }
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == N, "small_linear: bias must be [N]");
+    bias_ptr = bias_f.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x_f.options());
+  const float* xp = x_f.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+      run(M, xp, weight.data_ptr<float>(), scale_ptr, bias_ptr, op, K, N);
+      break;
+    case at::kBFloat16:
+      run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
+      break;
+    case at::kChar:
+      if (int8_any_rows)
+        int8_vnni(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
+      else
+        run(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
+      break;
+    default:
+      TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
+                  weight.scalar_type());
+  }
+  return out.to(x.scalar_type());
+}
+
+// ------------------------------------------------------------------ fused elementwise ops
+// Float32 math whatever the storage dtype (float32 or bfloat16), in HF transformers' order:
+// RMSNorm computes in float32 and rounds x * rsqrt(mean(x^2) + eps) to the dtype before
+// the weight multiplies it.
+
+namespace {
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum_out, T* out, int64_t rows,
+                   int64_t hidden, double eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      float sq = 0.f;
+      if (delta != nullptr) {  // residual add first, rounded to the dtype as torch would
+        const T* dr = delta + r * hidden;
+        T* sr = sum_out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+          row[i] = static_cast<float>(sr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(xr[i]);
+      }
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < hidden; ++i) sq += row[i] * row[i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sq) / hidden + eps));
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = static_cast<T>(static_cast<float>(weight[i]) *
+                              static_cast<float>(static_cast<T>(row[i] * inv)));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows * inter, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / inter, c = i % inter;
+      const float g = static_cast<float>(gate_up[r * 2 * inter + c]);
+      const float u = static_cast<float>(gate_up[r * 2 * inter + inter + c]);
+      const T act = static_cast<T>(g / (1.f + std::exp(-g)));  // torch's silu, rounded
+      out[i] = static_cast<T>(static_cast<float>(act) * u);
+    }
+  });
+}
+
+// Rotate one head [D] by the angles of a position: x * cos + rotate_half(x) * sin.
+template <typename T>
+inline void rope_head(const T* x, const float* cos, const float* sin, int64_t dim, T* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = static_cast<float>(x[i]);
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const float c = static_cast<float>(static_cast<T>(cos[i]));  // the tables in the dtype
+    const float s = static_cast<float>(static_cast<T>(sin[i]));
+    out[i] = static_cast<T>(static_cast<float>(static_cast<T>(v * c)) +
+                            static_cast<float>(static_cast<T>(rotated * s)));
+  }
+}
+
+template <typename T>
+void rope_write_kv_rows(const T* qkv, const float* cos_table, const float* sin_table,
+                        const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
+                        T* q_out, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t dim, int64_t num_positions, int64_t num_slots) {
+  const int64_t row_stride = (num_heads + 2 * num_kv_heads) * dim, kv_row = num_kv_heads * dim;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      // an out-of-range position or slot would read or write outside the tables
+      TORCH_CHECK(positions[r] >= 0 && positions[r] < num_positions,
+                  "rope_write_kv: position ", positions[r], " is outside the RoPE table");
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "rope_write_kv: slot ", slots[r],
+                  " is outside the KV cache");
+      const T* src = qkv + r * row_stride;
+      const float* cos = cos_table + positions[r] * dim;
+      const float* sin = sin_table + positions[r] * dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_head(src + h * dim, cos, sin, dim, q_out + (r * num_heads + h) * dim);
+      T* k_dst = k_cache + slots[r] * kv_row;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rope_head(src + (num_heads + h) * dim, cos, sin, dim, k_dst + h * dim);
+      std::copy(src + (num_heads + num_kv_heads) * dim, src + row_stride, v_cache + slots[r] * kv_row);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && !t.is_cuda(), name,
+              ": a contiguous 2-D CPU tensor expected");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16 expected, got ", t.scalar_type());
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) &&
+                  weight.is_contiguous(), "rms_norm: weight must be [hidden] in x's dtype");
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), nullptr,
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(delta, "add_rms_norm");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1) &&
+                  weight.is_contiguous(), "add_rms_norm: x, delta [T, hidden] and weight [hidden] in one dtype");
+  auto sum = torch::empty_like(x), out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
+  return {sum, out};
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [T, 2 * intermediate] expected");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            gate_up.size(0), inter);
+  });
+  return out;
+}
+
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_table,
+                            const torch::Tensor& sin_table, const torch::Tensor& positions,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache,
+                            const torch::Tensor& slot_mapping, int64_t num_heads,
+                            int64_t num_kv_heads) {
+  check_rows(qkv, "rope_write_kv");
+  const int64_t rows = qkv.size(0), dim = cos_table.size(1);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
+              "rope_write_kv: qkv must be [T, (Hq + 2 Hkv) * D]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                  sin_table.sizes() == cos_table.sizes(),
+              "rope_write_kv: contiguous float32 cos/sin tables [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.numel() == rows && slot_mapping.numel() == rows &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "rope_write_kv: int64 positions and slot_mapping [T]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
+                  k_cache.size(3) == dim,
+              "rope_write_kv: caches [N, bs, Hkv, D] in qkv's dtype");
+  auto q = torch::empty({rows, num_heads, dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
+    rope_write_kv_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos_table.data_ptr<float>(),
+                                 sin_table.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                                 slot_mapping.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(),
+                                 v_cache.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), rows,
+                                 num_heads, num_kv_heads, dim, cos_table.size(0),
+                                 k_cache.size(0) * k_cache.size(1));
+  });
+  return q;
+}
+
+// ------------------------------------------------------------------ decode attention, bf16 KV
+// attention/csrc/paged_decode.cpp for bfloat16 caches: the same algorithm (one query token
+// per sequence, its context read in place, all query heads of a KV head together, softmax
+// in float32), each K/V element widened to float32 as it is read. Without it a bfloat16
+// cache took torch's reference path (a dense copy of the context + SDPA, every layer).
+
+namespace {
+
+constexpr float kMinExponent = -30.f;
+
+inline float dot_widen(const float* a, const uint16_t* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * widen(b[i]);
+  return acc;
+}
+
+inline void axpy_widen(float alpha, const uint16_t* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
+}
+
+}  // namespace
+
+torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                    const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "decode_attention_bf16: float32 q and bfloat16 caches only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "decode_attention_bf16: int32 block_tables and seq_lens");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "decode_attention_bf16: contiguous tensors only");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim,
+              "decode_attention_bf16: q and cache shapes disagree");
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+
+  auto out = torch::empty_like(q);
+  const float* q_ptr = q.data_ptr<float>();
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(num_heads * head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const float* query = q_ptr + seq * num_heads * head_dim;  // [Hq, D]
+      float* dst = out_ptr + seq * num_heads * head_dim;
+      if (len <= 0) {
+        std::fill(dst, dst + num_heads * head_dim, 0.f);
+        continue;
+      }
+      TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
+                  "decode_attention_bf16: seq_len beyond the block table");
+      const int32_t* table = tables + seq * max_blocks;
+      auto row = [&](const uint16_t* cache, int64_t t) {  // token t's [Hkv, D]
+        const int64_t block = table[t / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention_bf16: bad block id");
+        return cache + block * block_stride + (t % block_size) * token_stride;
+      };
+      scores.resize(num_heads * len);  // [Hq, len]
+      for (int64_t t = 0; t < len; ++t) {
+        const uint16_t* key = row(k_ptr, t);
+        for (int64_t head = 0; head < num_heads; ++head)
+          scores[head * len + t] = softmax_scale * dot_widen(query + head * head_dim,
+                                                             key + (head / group) * head_dim, head_dim);
+      }
+      for (int64_t head = 0; head < num_heads; ++head) {
+        float* sc = scores.data() + head * len;
+        float max_score = sc[0];
+        for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, sc[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          const float xv = sc[t] - max_score;
+          sc[t] = xv < kMinExponent ? 0.f : std::exp(std::max(xv, kMinExponent));
+          sum += sc[t];
+        }
+        const float inv_sum = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const uint16_t* value = row(v_ptr, t);
+        for (int64_t head = 0; head < num_heads; ++head)
+          axpy_widen(scores[head * len + t], value + (head / group) * head_dim,
+                     acc.data() + head * head_dim, head_dim);
+      }
+      std::copy(acc.begin(), acc.end(), dst);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention_bf16", &decode_attention_bf16,
+        "Paged decode attention over bfloat16 KV caches (CPU), float32 q and output");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
+  m.def("rope_write_kv", &rope_write_kv,
+        "RoPE of q and k from a fused qkv [T, (Hq+2Hkv)*D]; k, v written to the paged cache "
+        "at slot_mapping; returns q [T, Hq, D]");
+  m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
+        py::arg("bias") = py::none());
+  m.attr("max_rows") = kMaxRows;
+  m.def("int8_any_rows", [](int64_t in_features) { return has_vnni() && in_features <= kMaxVnniK; },
+        "whether small_linear takes int8 weights of this width for any number of rows");
+}

@@ -1,0 +1,168 @@
+"""The C++ CPU kernels (model/cpu_ops.py): the small-batch matmul equal to the reference
+matmul for every weight format and chosen for 1-4 rows only, the fused elementwise kernels
+equal to the eager modules, the bfloat16-cache decode attention equal to torch's, and all
+of it switched by --linear-backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import cpu_backend, torch_backend
+from services.worker.config import WorkerConfig
+from services.worker.model import cpu_ops
+from services.worker.model.layers import RMSNorm, apply_rope
+from services.worker.model.packed_linear import PackedLinear, onednn_supported
+from services.worker.model.quant import QuantLinear, dequantize
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_float32_equals_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 577, generator=gen)  # K not a multiple of any vector width
+    b = torch.randn(300, generator=gen) if bias else None
+    x = torch.randn(rows, 577, generator=gen)
+    out = cpu_ops.small_linear(x, weight, bias=b)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+
+
+def test_small_linear_bfloat16_weights_widen_exactly():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(130, 96, generator=gen).bfloat16()
+    x = torch.randn(2, 96, generator=gen).bfloat16()
+    out = cpu_ops.small_linear(x, weight)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), weight.float()).bfloat16()  # float32 accumulation
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("rows", "in_features"), [(1, 64), (4, 64), (2, 577), (1, 9000)])
+def test_small_linear_int8_applies_the_channel_scale(rows, in_features):
+    gen = torch.Generator().manual_seed(rows)
+    shape = (200, in_features)  # 577: the tails of the 64/32-wide loops; 9000: float path
+    q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    scale = torch.rand(200, generator=gen) + 0.1
+    x = torch.randn(rows, in_features, generator=gen)
+    expected = F.linear(x, dequantize(q, scale, torch.float32))
+    # on AVX512-VNNI the activations are rounded to int16 per row (error <= amax / 65534
+    # per element): within ~1e-4 of the largest output, far finer than bf16 activations
+    atol = 2e-4 * expected.abs().max().item()
+    torch.testing.assert_close(cpu_ops.small_linear(x, q, scale), expected, atol=atol, rtol=0)
+
+
+def test_small_linear_rejects_too_many_rows_and_other_dtypes():
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_ops.small_linear(torch.randn(5, 8), torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 weights"):
+        cpu_ops.small_linear(torch.randn(1, 8), torch.randn(3, 8).half())
+    assert not cpu_ops.serves(torch.randn(5, 8), torch.randn(3, 8))
+    assert cpu_ops.serves(torch.randn(4, 8), torch.randn(3, 8))
+
+
+@pytest.mark.skipif(not onednn_supported("cpu", torch.float32), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 4, 5, 32])
+def test_packed_linear_keep_plain_agrees_on_both_paths(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    layer = PackedLinear(weight, b, keep_plain=True)
+    assert layer.small_batch and layer.weight is not None
+    torch.testing.assert_close(layer(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
+    assert PackedLinear(weight, b).weight is None  # without keep_plain: one copy only
+
+
+def test_quant_linear_int8_small_batch_equals_the_int8_kernel():
+    gen = torch.Generator().manual_seed(3)
+    layer = QuantLinear("int8", torch.randn(256, 128, generator=gen), None)
+    x = torch.randn(2, 128, generator=gen).bfloat16()
+    small = layer(x)
+    layer.small_batch = False  # torch's _weight_int8pack_mm
+    torch.testing.assert_close(small.float(), layer(x).float(), atol=0.03, rtol=0.02)
+
+
+def test_linear_backend_auto_alone_uses_the_small_batch_kernel(tmp_path):
+    assert WorkerConfig(str(tmp_path)).uses_cpu_kernels
+    assert not WorkerConfig(str(tmp_path), linear_backend="onednn").uses_cpu_kernels
+    assert not WorkerConfig(str(tmp_path), linear_backend="torch").uses_cpu_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_and_silu_mul_equal_the_eager_modules(dtype):
+    gen = torch.Generator().manual_seed(5)
+    x, delta = (
+        torch.randn(5, 96, generator=gen).to(dtype),
+        torch.randn(5, 96, generator=gen).to(dtype),
+    )
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5
+    )
+    total, normed = cpu_ops.add_rms_norm(x, delta, norm.weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, norm(x + delta), atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(3, 64, generator=gen).to(dtype)
+    gate, up = gate_up.split(32, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_ropes_q_and_k_and_fills_the_cache(dtype):
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, positions = 4, 2, 16, torch.tensor([3, 0, 41])
+    cos, sin = torch.randn(50, dim, generator=gen), torch.randn(50, dim, generator=gen)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k_cache = torch.zeros(4, 8, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([9, 0, 31])
+    q = cpu_ops.rope_write_kv(qkv, cos, sin, positions, k_cache, v_cache, slots, heads, kv_heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+    torch.testing.assert_close(q, apply_rope(q_ref.view(3, heads, dim), c, s), atol=1e-5, rtol=1e-5)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    torch.testing.assert_close(
+        flat_k[slots], apply_rope(k_ref.view(3, kv_heads, dim), c, s), atol=1e-5, rtol=1e-5
+    )
+    assert torch.equal(flat_v[slots], v_ref.reshape(3, kv_heads, dim))
+    assert flat_k.abs().sum(-1).sum(-1).count_nonzero() == 3  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        cpu_ops.rope_write_kv(
+            qkv, cos, sin, positions + 10, k_cache, v_cache, slots, heads, kv_heads
+        )
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        cpu_ops.rope_write_kv(
+            qkv, cos, sin, positions, k_cache, v_cache, slots + 1, heads, kv_heads
+        )
+
+
+def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
+    v_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
+    q = torch.randn(3, 6, 32, generator=gen).bfloat16()
+    tables = torch.tensor([[0, 5, 7, 0], [1, 2, 3, 4], [9, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 64, 3], dtype=torch.int32)
+    ours = cpu_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    ref = torch_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.skipif(
+    not cpu_ops.available() or not cpu_ops.load_kernels().int8_any_rows(64),
+    reason="this CPU has no AVX512-VNNI",
+)
+def test_int8_rows_do_not_depend_on_the_batch_around_them():
+    """Sync and async scheduling batch requests differently: on AVX512-VNNI every batch size
+    takes one arithmetic, so a row's output is bit-identical alone and in a batch of 40."""
+    gen = torch.Generator().manual_seed(8)
+    layer = QuantLinear("int8", torch.randn(96, 64, generator=gen), None)
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    batch = layer(x)
+    for row in (0, 3, 4, 39):
+        assert torch.equal(layer(x[row : row + 1]), batch[row : row + 1])
+    assert torch.equal(layer(x[:4]), batch[:4])

@@ -4,11 +4,13 @@ two SmolLM2 pipelines, two routers with API keys)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
 
-from services.client.client import ConveyorClient
+from services.client.client import AsyncConveyorClient, ConveyorClient
 from services.router.api_keys import format_line, new_key
 from tests.scaleout.utils import ScaleOutStack
 
@@ -54,6 +56,16 @@ def resume_stack(smollm2_dir, tmp_path_factory, keys, prompt_ids):
         stack.stop()
 
 
+async def _async_code(address: str, api_key: str, *args) -> grpc.StatusCode | None:
+    async with AsyncConveyorClient(address, timeout_s=120, api_key=api_key) as client:
+        try:
+            async for _ in client.resume(*args):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return None
+
+
 def _code(fn, *args) -> grpc.StatusCode | None:
     try:
         list(fn(*args))
@@ -92,6 +104,8 @@ def test_resume_through_another_router_after_a_kill(resume_stack, keys, prompt_i
 
     # Ids live in the principal's namespace: bob's "story-1" does not exist.
     assert _code(bob_b.resume, request_id, offset) is grpc.StatusCode.NOT_FOUND
+    bob_async = _async_code(router_b, api_keys["bob"], request_id, offset)
+    assert asyncio.run(bob_async) is grpc.StatusCode.NOT_FOUND
     assert _code(alice_b.resume, "no-such-request", 0) is grpc.StatusCode.NOT_FOUND
     assert _code(alice_b.resume, request_id, 10_000) is grpc.StatusCode.INVALID_ARGUMENT
 

@@ -197,6 +197,20 @@ class ConveyorClient:
         finally:
             call.cancel()
 
+    def resume(self, request_id: str, offset: int) -> Iterator[Delta]:
+        """Streams a request's output from token `offset` on (the tokens already received),
+        through any router: a Generate stream whose router died goes on here."""
+        call = self._stub.Resume(
+            generation_pb2.ResumeGenerationRequest(request_id=request_id, offset=offset),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
+        )
+        try:
+            for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """The whole output at once."""
         return collect(self.generate(prompt, **kwargs))
@@ -256,6 +270,19 @@ class AsyncConveyorClient:
         """Streams the output; leaving the loop early cancels the request."""
         call = self._stub.Generate(
             build_request(prompt, chat, token_ids, **kwargs),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
+        )
+        try:
+            async for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
+    async def resume(self, request_id: str, offset: int) -> AsyncIterator[Delta]:
+        """Streams a request's output from token `offset` on, as ConveyorClient.resume."""
+        call = self._stub.Resume(
+            generation_pb2.ResumeGenerationRequest(request_id=request_id, offset=offset),
             timeout=self.timeout_s,
             metadata=self._metadata,
         )

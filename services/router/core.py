@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.auth import ANONYMOUS_PRINCIPAL, Principal
-from services.common.errors import PermissionDenied, RequestFailed
+from services.common.errors import InvalidRequest, PermissionDenied, RequestFailed
+from services.common.limits import check_request_id
+from services.router.detokenizer import PROMPT_CONTEXT_TOKENS
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
 from services.router.request import (
@@ -108,6 +110,58 @@ class RouterCore:
                 self._abort_soon(req)
             if obs is not None:
                 obs.end(ended_as)
+
+    async def resume(
+        self, request_id: str, offset: int, principal: Principal = ANONYMOUS_PRINCIPAL
+    ) -> AsyncIterator[OutputDelta]:
+        """Streams `principal`'s request `request_id` from output token `offset` on, as
+        `generate` streamed it (whichever router took it; docs/scale-out.md), the last delta
+        with the finish reason and usage. The last tokens before `offset` are read as the
+        detokenizer's context, so a character split across `offset` comes out whole.
+
+        Raises:
+            UnknownRequest: no scheduler knows the id in the principal's namespace.
+            InvalidRequest: a malformed id, or `offset` beyond the tokens generated so far.
+            RequestFailed, PipelineUnavailable: as `generate`.
+        """
+        check_request_id(request_id)
+        start = max(0, offset - PROMPT_CONTEXT_TOKENS)
+        context: list[int] = []
+        builder: OutputBuilder | None = None
+        num_prompt_tokens = 0
+        stream = self.scheduler.resume(request_id, principal.name, start)
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                num_prompt_tokens = max(num_prompt_tokens, delta.num_prompt_tokens)
+                if builder is None:
+                    end = delta.offset + len(delta.token_ids)
+                    if not context and end < offset:  # the first answer has every token so far
+                        raise InvalidRequest(
+                            f"offset={offset} is beyond request {request_id}'s output: it has "
+                            f"{end} tokens so far (resume from at most that)"
+                        )
+                    take = max(0, min(len(delta.token_ids), offset - delta.offset))
+                    context.extend(delta.token_ids[:take])
+                    if delta.offset + take < offset:
+                        continue  # context still arriving
+                    builder = OutputBuilder.for_resume(
+                        self.tokenizer, context, offset, num_prompt_tokens
+                    )
+                    delta.token_ids = delta.token_ids[take:]
+                    delta.logprobs = delta.logprobs[take:]
+                    delta.offset += take
+                builder.num_prompt_tokens = num_prompt_tokens
+                out = builder.add(delta)
+                if out is None:
+                    continue
+                if out.finish_reason == "error":
+                    raise RequestFailed(
+                        f"request {request_id} failed in the scheduler: "
+                        f"{out.error or 'no reason given'}"
+                    )
+                yield out
+                if out.finish_reason is not None:
+                    return
 
     def _abort_soon(self, req: PreparedRequest) -> None:
         """Sends the abort on the session without waiting, so that a cancelled caller still

@@ -56,6 +56,22 @@ class IncrementalDetokenizer:
             read_offset=len(context),
         )
 
+    @classmethod
+    def for_resume(
+        cls, tokenizer: Tokenizer, output_ids: list[int], skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A detokenizer that goes on after `output_ids`, the last output tokens the client
+        already has (Resume). Their text was streamed, except a character still waiting for
+        its last bytes: those ids are left unread, so the character comes out whole with
+        the token that completes it."""
+        context = list(output_ids[-PROMPT_CONTEXT_TOKENS:])
+        detok = cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, ids=context)
+        read = len(context)
+        while read and detok._decode(context[:read]).endswith(REPLACEMENT_CHAR):
+            read -= 1
+        detok.read_offset = read
+        return detok
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

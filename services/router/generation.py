@@ -63,7 +63,7 @@ def output_to_pb(request_id: str, out: OutputDelta) -> generation_pb2.GenerateRe
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Generate, Tokenize and ListModels over one RouterCore."""
+    """Generate, Resume, Tokenize and ListModels over one RouterCore."""
 
     def __init__(self, core: RouterCore):
         self.core = core
@@ -72,6 +72,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prepared = await self.core.prepare(input_from_pb(request), current_principal.get())
         async for out in self.core.generate(prepared):
             yield output_to_pb(prepared.request_id, out)
+
+    async def Resume(self, request, context):
+        principal = current_principal.get()
+        async for out in self.core.resume(request.request_id, request.offset, principal):
+            yield output_to_pb(request.request_id, out)
 
     async def Tokenize(self, request, context):
         check_model(request.model, self.core.limits)

@@ -79,6 +79,19 @@ class OutputBuilder:
             min_tokens=req.sampling.min_tokens,
         )
 
+    @classmethod
+    def for_resume(
+        cls, tokenizer: Tokenizer, context_ids: list[int], offset: int, num_prompt_tokens: int
+    ) -> OutputBuilder:
+        """Output after the first `offset` tokens (Resume), whose last ones are `context_ids`.
+        No stop strings: a router that did not take the Generate does not know them."""
+        return cls(
+            detokenizer=IncrementalDetokenizer.for_resume(tokenizer, context_ids),
+            matcher=StopMatcher([], False),
+            num_prompt_tokens=num_prompt_tokens,
+            num_tokens=offset,
+        )
+
     @property
     def is_stopped_by_string(self) -> bool:
         return self.matcher.is_stopped

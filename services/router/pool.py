@@ -18,6 +18,7 @@ backoff for up to `resume_timeout_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -178,7 +179,6 @@ class SchedulerPool:
             )
         pipeline = self.pipelines[view.key]
         key = (req.principal, req.request_id)
-        self._owners[key] = view.key
         submit = scheduler_pb2.SessionRequest(
             submit=scheduler_pb2.SubmitRequest(
                 request_id=req.request_id,
@@ -192,11 +192,48 @@ class SchedulerPool:
             traceparent=dict(metadata or ()).get("traceparent", ""),
         )
         call = pipeline.client.open(submit)
+        target = _Target(req.request_id, req.principal, req.owner_token)
+        relay = self._relay(pipeline, call, None, _Resumer(self, target), 0, False, key)
+        async with contextlib.aclosing(relay) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def resume(
+        self, request_id: str, principal: str, offset: int
+    ) -> AsyncIterator[SchedulerDelta]:
+        """The public Resume: the deltas of `principal`'s request from `offset` on, at the
+        pipeline that owns it (whichever submission of the id, through whichever router),
+        until one carries a finish reason. Raises UnknownRequest when no scheduler knows
+        it (also another principal's: ids live in the principal's namespace)."""
+        resumer = _Resumer(self, _Target(request_id, principal, "", any_submission=True))
+        pipeline, call, pending = await resumer.resume(offset, None, has_output=True)
+        key = (principal, request_id)
+        relay = self._relay(pipeline, call, pending, resumer, offset, True, key)
+        try:
+            async with contextlib.aclosing(relay) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            # No abort follows a resume (it holds no owner token): forget the pipeline.
+            self._owners.pop(key, None)
+
+    async def _relay(
+        self,
+        pipeline: Pipeline,
+        call,
+        pending: scheduler_pb2.TokenDelta | None,
+        resumer: _Resumer,
+        next_offset: int,
+        has_output: bool,
+        key: tuple[str, str],
+    ) -> AsyncIterator[SchedulerDelta]:
+        """Yields the deltas of `call` from `next_offset` on until one carries a finish
+        reason, resuming wherever the request runs when the stream breaks. `pending`: a
+        message the resume already read from `call`."""
+        self._owners[key] = pipeline.view.key
         pipeline.view.num_inflight += 1
         is_counted = True  # counted in `pipeline`'s open streams
-        resumer = _Resumer(self, req)
-        pending = None  # a message the resume already read from `call`
-        next_offset, has_output, is_done = 0, False, False
+        is_done = False
         try:
             while True:
                 try:
@@ -237,12 +274,24 @@ class SchedulerPool:
                 self._owners.pop(key, None)
 
 
+@dataclass(slots=True, frozen=True)
+class _Target:
+    """The request a resume asks for, as the scheduler knows it."""
+
+    request_id: str
+    principal: str
+    owner_token: str
+    """The submission's secret: only the router that submitted it knows it."""
+    any_submission: bool = False
+    """The public Resume: the principal's request of that id, whoever submitted it."""
+
+
 class _Resumer:
     """Finds where a broken stream continues: the owner, or whoever can name it."""
 
-    def __init__(self, pool: SchedulerPool, req: PreparedRequest):
+    def __init__(self, pool: SchedulerPool, target: _Target):
         self.pool = pool
-        self.req = req
+        self.target = target
         self.owner_id: str | None = None
         """The pipeline a scheduler last named as the request's owner."""
         self.failed: Pipeline | None = None
@@ -264,13 +313,13 @@ class _Resumer:
         return ([owner] if owner else []) + others + tail
 
     async def resume(
-        self, offset: int, cause: Exception, has_output: bool
+        self, offset: int, cause: Exception | None, has_output: bool
     ) -> tuple[Pipeline, object, scheduler_pb2.TokenDelta]:
         """(pipeline, stream, its first message) of a resume a scheduler accepted. Only the
         request this Submit created is resumed (its owner token): a Submit refused while
         another request with its id runs finds nothing (NOT_FOUND), never the other's
         tokens."""
-        req = self.req
+        req = self.target
         now = time.monotonic()
         if self._stalled_since is None:
             self._stalled_since = now
@@ -280,6 +329,7 @@ class _Resumer:
             from_offset=offset,
             principal=req.principal,
             owner_token=req.owner_token,
+            any_submission=req.any_submission,
         )
         while True:
             if time.monotonic() - self._stalled_since > self.pool.resume_timeout_s:

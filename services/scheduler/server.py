@@ -82,7 +82,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Resume(self, request, context):
         key = request_key(request.principal, request.request_id)
-        async for delta in self.service.resume(key, request.from_offset, request.owner_token):
+        owner_token = None if request.any_submission else request.owner_token
+        async for delta in self.service.resume(key, request.from_offset, owner_token):
             yield delta_to_pb(delta)
 
     async def Session(self, request_iterator, context):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.errors import (
+    InvalidRequest,
     PipelineUnavailable,
     StateStoreError,
     StoreLost,
@@ -329,18 +330,21 @@ class SchedulerService:
         return queue
 
     async def resume(
-        self, request_id: str, offset: int = 0, owner_token: str = ""
+        self, request_id: str, offset: int = 0, owner_token: str | None = ""
     ) -> AsyncIterator[TokenDelta]:
         """A request's tokens from `offset` on: what the store holds, then the live ones
         until it finishes (a router whose stream broke picks up where it was). Raises
         `UnknownRequest` when the request is neither here nor in the store, or was submitted
-        with another owner token (the same answer: ids cannot be probed)."""
+        with another owner token (the same answer: ids cannot be probed). `owner_token`
+        None resumes whichever submission holds the id (the public Resume: `request_id` is
+        already in the principal's namespace). The first delta carries the prompt's length
+        and refuses an `offset` past the tokens that exist (InvalidRequest)."""
         request = self.scheduler.requests.get(request_id) if self.scheduler else None
         if request is not None:
             owner = request.owner_token
         else:
             owner = await asyncio.to_thread(self.store.read_owner_token, request_id)
-        if owner is None or not is_owner(owner, owner_token):
+        if owner is None or (owner_token is not None and not is_owner(owner, owner_token)):
             raise UnknownRequest(f"request {request_id} is not known (or expired)")
         queue = self.attach(request_id)  # attach first: no token slips in between
         try:
@@ -363,7 +367,18 @@ class SchedulerService:
             # Not running here (and not finished: a restarted scheduler still recovering):
             # the stream ends without a finish reason and the router resumes again later.
             is_done = queue is None or status.is_finished
+            if offset > len(tokens):
+                raise InvalidRequest(
+                    f"offset={offset} is beyond request {request_id.rsplit('/', 1)[-1]}'s "
+                    f"output: it has {len(tokens)} tokens so far (resume from at most that)"
+                )
             first = TokenDelta(request_id, tokens[offset:], offset, status.finish_reason)
+            if request is not None:
+                first.num_prompt_tokens = len(request.prompt_token_ids)
+            else:
+                first.num_prompt_tokens = await asyncio.to_thread(
+                    self.store.read_prompt_len, request_id
+                )
             if owner_pipeline is not None and owner_pipeline != self.config.pipeline_id:
                 first.owner_pipeline_id = owner_pipeline  # resume there
             yield first

@@ -46,6 +46,7 @@ def delta_to_pb(delta: TokenDelta) -> scheduler_pb2.TokenDelta:
         token_ids=delta.token_ids,
         finish_reason=FINISH_TO_PB[delta.finish_reason],
         num_cached_tokens=delta.num_cached_tokens,
+        num_prompt_tokens=delta.num_prompt_tokens,
         weight_version=delta.weight_version,
         num_spec_steps=delta.num_spec_steps,
         num_spec_draft_tokens=delta.num_spec_draft_tokens,
@@ -166,7 +167,8 @@ class RouterSession:
     async def _follow(self, stream: _Stream, msg: scheduler_pb2.ResumeRequest) -> None:
         """A resume: what `SchedulerService.resume` yields, then its end."""
         try:
-            async for delta in self.service.resume(stream.key, msg.from_offset, msg.owner_token):
+            owner_token = None if msg.any_submission else msg.owner_token
+            async for delta in self.service.resume(stream.key, msg.from_offset, owner_token):
                 self.push(stream, delta)
                 if delta.finish_reason is not None:
                     return

@@ -27,6 +27,8 @@ class TokenDelta:
     """Why the request failed (finish reason `error`)."""
     num_cached_tokens: int = 0
     """Prompt tokens the request found in the prefix cache (usage.cached_tokens)."""
+    num_prompt_tokens: int = 0
+    """Set on a resume's first delta: a router that did not submit it learns the usage."""
     weight_version: int = 0
     """The weights serving the request when the delta was sent (UpdateWeights)."""
     owner_pipeline_id: str | None = None
@@ -98,3 +100,6 @@ class StateStore(Protocol):
     def read_owner_token(self, request_id: str) -> str | None:
         """The owner token a request was submitted with ("" for one stored before owner
         tokens existed); None when the request is unknown or expired."""
+
+    def read_prompt_len(self, request_id: str) -> int:
+        """How many prompt tokens a request has (0 when unknown): a resume's usage."""

@@ -335,6 +335,10 @@ class RedisStateStore:
         spec = self._execute_one(lambda c: c.hget(meta_key(request_id), "spec"))
         return json.loads(spec).get("owner_token", "") if spec else None
 
+    def read_prompt_len(self, request_id: str) -> int:
+        size = self._execute_one(lambda c: c.hstrlen(meta_key(request_id), "prompt"))
+        return int(size) // 4  # packed uint32
+
     def read_owner_pipeline(self, request_id: str) -> str | None:
         """The pipeline that owns a request ("" for a lone pipeline); None when unknown."""
         owner, spec = self._execute_one(lambda c: c.hmget(meta_key(request_id), "owner", "spec"))

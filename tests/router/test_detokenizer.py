@@ -87,3 +87,17 @@ def test_detokenizer_concatenation_equals_decode_for_any_text(tiny_tok, text, ch
     deltas = _stream(IncrementalDetokenizer(tiny_tok, skip_special_tokens=False), ids, chunk)
     assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
     assert "".join(deltas) == text
+
+
+def test_detokenizer_resumed_at_any_offset_adds_up_to_the_text(tok):
+    """Resume: the text a client received before a break (steps, no flush) plus the text a
+    new router streams from that offset on is the whole text, at every split, even one
+    inside a character (its bytes are held back, then come out whole after the resume)."""
+    ids = tok.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    for offset in range(len(ids) + 1):
+        first = IncrementalDetokenizer(tok)
+        before = [first.step([i]) for i in ids[:offset]]
+        resumed = IncrementalDetokenizer.for_resume(tok, ids[:offset])
+        after = _stream(resumed, ids[offset:])
+        assert all(REPLACEMENT_CHAR not in delta for delta in before + after), offset
+        assert "".join(before + after) == MULTIBYTE_TEXT, offset

@@ -65,11 +65,18 @@ class Pipeline:
 class ScaleOutStack:
     """Redis, two pipelines and two routers (prefix and round-robin routing)."""
 
-    def __init__(self, model_dir: Path, workdir: Path):
+    def __init__(
+        self,
+        model_dir: Path,
+        workdir: Path,
+        num_pipelines: int = 2,
+        router_args: tuple[str, ...] = (),
+    ):
+        """`router_args`: more flags for both routers (--api-key-file, say)."""
         self.model_dir = model_dir
         self.log = (workdir / "stack.log").open("w")
         self.redis = RedisProcess(workdir).start(fresh=True)
-        self.pipelines = [self._start_pipeline(f"p{i}") for i in range(2)]
+        self.pipelines = [self._start_pipeline(f"p{i}") for i in range(num_pipelines)]
         schedulers = ",".join(p.scheduler for p in self.pipelines)
         self.routers: dict[str, str] = {}
         self._router_procs: list[subprocess.Popen] = []
@@ -90,6 +97,7 @@ class ScaleOutStack:
                     str(port),
                     "--host",
                     "127.0.0.1",
+                    *router_args,
                 )
             )
             self.routers[routing] = f"127.0.0.1:{port}"
@@ -159,7 +167,14 @@ class ScaleOutStack:
         addresses = [p.scheduler for p in self.pipelines] + list(self.routers.values())
         wait_until(lambda: all(health(a) == SERVING for a in addresses), timeout_s, 0.5)
         # Every router sees both pipelines (their announcements are in Redis).
-        wait_until(lambda: len(self.redis.client().smembers("conveyor:pipelines")) == 2, 30)
+        num = len(self.pipelines)
+        wait_until(lambda: len(self.redis.client().smembers("conveyor:pipelines")) == num, 30)
+
+    def kill_router(self, routing: str) -> None:
+        """SIGKILL the router of that routing policy (its clients' streams die with it)."""
+        proc = self._router_procs[list(self.routers).index(routing)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
     def stop(self) -> None:
         procs = self._router_procs + [p for pl in self.pipelines for p in pl.procs.values()]

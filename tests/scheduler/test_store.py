@@ -88,6 +88,8 @@ def test_store_replayed_step_appends_nothing_twice(store):
     store.apply([update])  # a re-sent flush
     assert store.read_tokens("r") == [11, 12]
     assert store.read_tokens("r", offset=1) == [12]
+    assert store.read_prompt_len("r") == 4  # a resume's usage.prompt_tokens
+    assert store.read_prompt_len("unknown") == 0
     with pytest.raises(StoreLost, match="lost the state of 1 requests"):  # a gap: rewrite
         store.apply([RequestUpdate("r", offset=5, token_ids=[99])])
     assert store.read_tokens("r") == [11, 12]

@@ -274,6 +274,7 @@ def test_fuzz_submit_requests_to_the_scheduler(stack):
 # (service, method, kind) of every method a client can reach
 METHODS = [
     ("router", "/conveyor.v1.Generation/Generate", "unary_stream"),
+    ("router", "/conveyor.v1.Generation/Resume", "unary_stream"),
     ("router", "/conveyor.v1.Generation/Tokenize", "unary_unary"),
     ("router", "/conveyor.v1.Generation/ListModels", "unary_unary"),
     ("router", "/inference.GRPCInferenceService/ModelInfer", "unary_unary"),
@@ -289,6 +290,7 @@ METHODS = [
 ]
 VALID = [
     generation_pb2.GenerateRequest(text="hi").SerializeToString(),
+    generation_pb2.ResumeGenerationRequest(request_id="x", offset=3).SerializeToString(),
     scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2]).SerializeToString(),
     scheduler_pb2.ResumeRequest(request_id="x", from_offset=3).SerializeToString(),
     scheduler_pb2.SessionRequest(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.conveyor.v1 import common_pb2 as conveyor_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63onveyor/v1/generation.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.conveyor.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.conveyor.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\"\\\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"0\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.conveyor.v1.ModelInfo2\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.conveyor.v1.ListModelsRequest\x1a\x1f.conveyor.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63onveyor/v1/generation.proto\x12\x0b\x63onveyor.v1\x1a\x18\x63onveyor/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"2\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.conveyor.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa0\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.conveyor.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.conveyor.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.conveyor.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.conveyor.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.conveyor.v1.TokenLogprobs\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\"=\n\x17ResumeGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\"\\\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x11.conveyor.v1.ChatH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"0\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.conveyor.v1.ModelInfo2\xc0\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.conveyor.v1.GenerateRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12O\n\x06Resume\x12$.conveyor.v1.ResumeGenerationRequest\x1a\x1d.conveyor.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.conveyor.v1.TokenizeRequest\x1a\x1d.conveyor.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.conveyor.v1.ListModelsRequest\x1a\x1f.conveyor.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,16 +44,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=565
   _globals['_GENERATERESPONSE']._serialized_start=568
   _globals['_GENERATERESPONSE']._serialized_end=810
-  _globals['_TOKENIZEREQUEST']._serialized_start=812
-  _globals['_TOKENIZEREQUEST']._serialized_end=904
-  _globals['_TOKENIZERESPONSE']._serialized_start=906
-  _globals['_TOKENIZERESPONSE']._serialized_end=966
-  _globals['_LISTMODELSREQUEST']._serialized_start=968
-  _globals['_LISTMODELSREQUEST']._serialized_end=987
-  _globals['_MODELINFO']._serialized_start=989
-  _globals['_MODELINFO']._serialized_end=1037
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1039
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1099
-  _globals['_GENERATION']._serialized_start=1102
-  _globals['_GENERATION']._serialized_end=1341
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=812
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=873
+  _globals['_TOKENIZEREQUEST']._serialized_start=875
+  _globals['_TOKENIZEREQUEST']._serialized_end=967
+  _globals['_TOKENIZERESPONSE']._serialized_start=969
+  _globals['_TOKENIZERESPONSE']._serialized_end=1029
+  _globals['_LISTMODELSREQUEST']._serialized_start=1031
+  _globals['_LISTMODELSREQUEST']._serialized_end=1050
+  _globals['_MODELINFO']._serialized_start=1052
+  _globals['_MODELINFO']._serialized_end=1100
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1102
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1162
+  _globals['_GENERATION']._serialized_start=1165
+  _globals['_GENERATION']._serialized_end=1485
 # @@protoc_insertion_point(module_scope)

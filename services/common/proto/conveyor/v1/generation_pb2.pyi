@@ -81,6 +81,14 @@ class GenerateResponse(_message.Message):
     weight_version: int
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ("request_id", "offset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    offset: int
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]

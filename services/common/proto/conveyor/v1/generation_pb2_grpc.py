@@ -41,6 +41,11 @@ class GenerationStub:
                 request_serializer=conveyor_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/conveyor.v1.Generation/Resume',
+                request_serializer=conveyor_dot_v1_dot_generation__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/conveyor.v1.Generation/Tokenize',
                 request_serializer=conveyor_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -66,6 +71,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Picks up a Generate stream again, through any router (one that died mid-stream, say):
+        the output from `offset` on, as Generate would have streamed it, ending with the
+        finish reason and usage. Only the principal that submitted the request may resume it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Token ids of a text or a chat (after the chat template), as Generate would see them.
         """
@@ -86,6 +100,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=conveyor_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=conveyor_dot_v1_dot_generation__pb2.ResumeGenerationRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
@@ -127,6 +146,33 @@ class Generation:
             target,
             '/conveyor.v1.Generation/Generate',
             conveyor_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            conveyor_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/conveyor.v1.Generation/Resume',
+            conveyor_dot_v1_dot_generation__pb2.ResumeGenerationRequest.SerializeToString,
             conveyor_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

@@ -166,16 +166,18 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("request_id", "from_offset", "principal", "owner_token")
+    __slots__ = ("request_id", "from_offset", "principal", "owner_token", "any_submission")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ANY_SUBMISSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_offset: int
     principal: str
     owner_token: str
-    def __init__(self, request_id: _Optional[str] = ..., from_offset: _Optional[int] = ..., principal: _Optional[str] = ..., owner_token: _Optional[str] = ...) -> None: ...
+    any_submission: bool
+    def __init__(self, request_id: _Optional[str] = ..., from_offset: _Optional[int] = ..., principal: _Optional[str] = ..., owner_token: _Optional[str] = ..., any_submission: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("reset_timelines",)

@@ -64,10 +64,9 @@ COPY services ./services
 COPY kernels ./kernels
 RUN if [ -n "${CONVEYOR_EXTRAS}" ]; then pip install ".[${CONVEYOR_EXTRAS}]"; else pip install .; fi \
     && conveyor --help >/dev/null
-# Compile the CPU attention kernel now, so that CPU workers start without a 20 s build.
+# Compile the CPU kernels now, so that CPU workers start without a build of up to a minute.
 RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
-    && if [ -z "${CONVEYOR_EXTRAS}" ]; then cd / && python -c \
-       "from services.worker.attention import cpu_backend; cpu_backend.load_kernels()"; fi
+    && if [ -z "${CONVEYOR_EXTRAS}" ]; then cd / && python -m services.worker.prebuild; fi
 
 # ---- runtime: the virtualenv, a non-root user, an empty /models ----
 FROM base-${BASE} AS runtime

@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.stamp-install
 PROTO_SRC := $(wildcard protos/conveyor/v1/*.proto)
 
-.PHONY: install test test-compose lint format proto demo bench bench-peers model clean
+.PHONY: install kernels test test-compose lint format proto demo bench bench-peers model clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -15,8 +15,12 @@ install: $(STAMP)
 model: install
 	$(PY) -m services.cli models fetch smollm2-135m
 
-test: install model
+test: install model kernels
 	$(PY) -m pytest -q -ra
+
+# The workers' C++ CPU kernels, built once before the tests start workers with deadlines.
+kernels: install
+	$(PY) -m services.worker.prebuild
 
 # docker-compose.yml for real: builds the image, runs the stack under Podman, streams a request,
 # tears it down (root; about 5 minutes the first time). Not part of `make test`.

@@ -311,7 +311,7 @@ class StageRunner:
             params.is_greedy
             and not params.has_penalties
             and params.logprobs is None
-            and not params.masked_token_ids(num_output, self.eos_token_id)
+            and not params.masked_token_ids(num_output, self.eos_token_ids)
         )
 
     def _sample(

@@ -15,13 +15,9 @@ take the torch reference.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import logging
-import os
 import platform
-import shutil
 import time
 from pathlib import Path
 
@@ -30,45 +26,15 @@ import torch
 from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
 from services.worker.attention import torch_backend
+from services.worker.cpp_build import build_directory, build_lock, source_copy
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 
-@contextlib.contextmanager
-def build_lock(path: Path):
-    """Held while `name` is built or loaded. An flock dies with its process, so a build
-    killed half-way never blocks the next one; torch's own `lock` file does not (torch waits
-    on it forever), and under this flock one left there is stale by definition: removed."""
-    with open(path / ".conveyor-build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = path / "lock"
-            if stale.exists():
-                logger.warning("removing a build lock left by a killed build: %s", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _source_in(directory: Path) -> Path:
-    """The kernel's source, copied into its build directory when it differs: ninja rebuilds
-    whenever a source path changes, so compiling the checkout's own file made every other
-    checkout of the same code (a worktree, a CI clone) rebuild the shared cache, ~100 s."""
-    copy = directory / SOURCE.name
-    if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
-        shutil.copyfile(SOURCE, copy)
-    return copy
-
-
-def build_directory(name: str) -> Path:
-    """Where `name` is built: per torch version, since the module links against torch."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    path = Path(root) / f"conveyor-torch{torch.__version__}" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return source_copy(SOURCE, directory)
 
 
 def _arch() -> tuple[str, list[str]]:

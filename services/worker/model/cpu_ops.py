@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from services.common.errors import ConfigError
-from services.worker.attention.cpu_backend import build_directory, build_lock
+from services.worker.cpp_build import build_directory, build_lock, source_copy
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +53,11 @@ def load_kernels():
     name = f"conveyor_cpu_ops_{arch}"
     start = time.monotonic()
     directory = build_directory(name)
-    copy = directory / SOURCE.name  # built from a copy: see cpu_backend._source_in
     try:
         with build_lock(directory):
-            if not copy.exists() or copy.read_bytes() != SOURCE.read_bytes():
-                shutil.copyfile(SOURCE, copy)
             module = load(
                 name=name,
-                sources=[str(copy)],
+                sources=[str(source_copy(SOURCE, directory))],
                 extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
                 build_directory=str(directory),
                 verbose=False,

@@ -169,9 +169,12 @@ class SchedulerPool:
     ) -> AsyncIterator[SchedulerDelta]:
         """Submits `req` to the pipeline the policy picks and yields its deltas until one
         carries a finish reason, following the request wherever it runs."""
-        views = [p.view for p in self.pipelines.values()]
         salt = _TENANT_SALT.format(req.tenant or "default")
-        view = self.router.choose(views, req.prompt_ids, salt)
+        view = self.router.choose([p.view for p in self.pipelines.values()], req.prompt_ids, salt)
+        if view is None:  # the view may lag a pipeline that just came back: look again first
+            await self.refresh()
+            views = [p.view for p in self.pipelines.values()]
+            view = self.router.choose(views, req.prompt_ids, salt)
         if view is None:
             raise PipelineUnavailable(
                 f"no pipeline is serving (schedulers: {self.address}): retry when "

@@ -144,6 +144,10 @@ def test_router_health_follows_scheduler(scheduler_server, router, fake):
         lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, what="router NOT_SERVING"
     )
     scheduler_server.set_serving(True)
+    # A request right away is served: the router looks again rather than refuse on a view
+    # up to a poll interval old (seen as UNAVAILABLE after a worker restart).
+    with ConveyorClient(router.address, timeout_s=30) as client:
+        assert client.complete("x", max_tokens=200).text == ANSWER
     wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, what="router SERVING")
 
 

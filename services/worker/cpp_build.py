@@ -9,9 +9,12 @@ import fcntl
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
+
+from services.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +52,29 @@ def build_directory(name: str) -> Path:
     path = Path(root) / f"conveyor-torch{torch.__version__}" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def build_extension(name: str, source: Path, arch_flags: list[str], what: str, hint: str = ""):
+    """The extension `name` compiled from `source` (built on first use, under the lock);
+    ConfigError naming `what` did not build and how to fix it (`hint` adds a way around)."""
+    from torch.utils.cpp_extension import load
+
+    start = time.monotonic()
+    directory = build_directory(name)
+    try:
+        with build_lock(directory):
+            module = load(
+                name=name,
+                sources=[str(source_copy(source, directory))],
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
+                build_directory=str(directory),
+                verbose=False,
+            )
+    except Exception as exc:  # compiler, headers or ninja missing: say what to do
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"the {what} did not build ({type(exc).__name__}: {first_line}); install a C++ "
+            f"compiler and ninja (apt-get install g++ ninja-build){hint}"
+        ) from exc
+    logger.info("%s %s ready in %.1f s", what, name, time.monotonic() - start)
+    return module

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from services.worker import cpp_build
 from services.worker.attention import cpu_backend, torch_backend
 
 
@@ -92,7 +93,7 @@ def test_kernel_rejects_bad_inputs_with_a_message():
 
 def test_build_directory_is_per_torch_version(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    path = cpu_backend.build_directory("probe")
+    path = cpp_build.build_directory("probe")
     assert path.parent.name == f"conveyor-torch{torch.__version__}"
 
 
@@ -103,7 +104,7 @@ def test_build_lock_removes_the_lock_a_killed_build_left_and_excludes_others(tmp
     import fcntl
 
     (tmp_path / "lock").touch()
-    with cpu_backend.build_lock(tmp_path):
+    with cpp_build.build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
         with (
             open(tmp_path / ".conveyor-build.lock", "w") as other,

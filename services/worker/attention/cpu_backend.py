@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
 from services.worker.attention import torch_backend
-from services.worker.cpp_build import build_directory, build_lock, source_copy
+from services.worker.cpp_build import build_extension, source_copy
 
 logger = logging.getLogger(__name__)
 
@@ -50,31 +49,14 @@ def _arch() -> tuple[str, list[str]]:
 @functools.cache
 def load_kernels():
     """The compiled extension module (built on first use); ConfigError if it cannot build."""
-    from torch.utils.cpp_extension import load
-
     arch, arch_flags = _arch()
-    flags = ["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags]
-    name = f"conveyor_cpu_attention_{arch}"
-    start = time.monotonic()
-    directory = build_directory(name)
-    try:
-        with build_lock(directory):
-            module = load(
-                name=name,
-                sources=[str(_source_in(directory))],
-                extra_cflags=flags,
-                build_directory=str(directory),
-                verbose=False,
-            )
-    except Exception as exc:  # compiler, headers or ninja missing: say what to do
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(
-            f"the CPU attention kernel did not build ({type(exc).__name__}: {first_line}); "
-            f"install a C++ compiler and ninja (apt-get install g++ ninja-build) or run the "
-            f"workers with --attention-backend torch"
-        ) from exc
-    logger.info("CPU attention kernel %s ready in %.1f s", name, time.monotonic() - start)
-    return module
+    return build_extension(
+        f"conveyor_cpu_attention_{arch}",
+        SOURCE,
+        arch_flags,
+        "CPU attention kernel",
+        " or run the workers with --attention-backend torch",
+    )
 
 
 def available() -> bool:

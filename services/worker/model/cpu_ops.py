@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from pathlib import Path
 
 import torch
 
 from services.common.errors import ConfigError
-from services.worker.cpp_build import build_directory, build_lock, source_copy
+from services.worker.cpp_build import build_extension
 
 logger = logging.getLogger(__name__)
 
@@ -47,29 +46,8 @@ def _arch() -> tuple[str, list[str]]:
 @functools.cache
 def load_kernels():
     """The compiled extension (built on first use); ConfigError when it cannot build."""
-    from torch.utils.cpp_extension import load
-
     arch, arch_flags = _arch()
-    name = f"conveyor_cpu_ops_{arch}"
-    start = time.monotonic()
-    directory = build_directory(name)
-    try:
-        with build_lock(directory):
-            module = load(
-                name=name,
-                sources=[str(source_copy(SOURCE, directory))],
-                extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
-                build_directory=str(directory),
-                verbose=False,
-            )
-    except Exception as exc:  # compiler, headers or ninja missing
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(
-            f"the CPU matmul kernel did not build ({type(exc).__name__}: {first_line}); "
-            "install a C++ compiler and ninja (apt-get install g++ ninja-build)"
-        ) from exc
-    logger.info("CPU small-batch matmul kernel %s ready in %.1f s", name, time.monotonic() - start)
-    return module
+    return build_extension(f"conveyor_cpu_ops_{arch}", SOURCE, arch_flags, "CPU matmul kernel")
 
 
 @functools.cache

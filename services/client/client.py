@@ -186,25 +186,16 @@ class ConveyorClient:
         **kwargs: Any,
     ) -> Iterator[Delta]:
         """Streams the output; closing the iterator early cancels the request."""
-        call = self._stub.Generate(
-            build_request(prompt, chat, token_ids, **kwargs),
-            timeout=self.timeout_s,
-            metadata=self._metadata,
-        )
-        try:
-            for msg in call:
-                yield delta_from_pb(msg)
-        finally:
-            call.cancel()
+        return self._stream(self._stub.Generate, build_request(prompt, chat, token_ids, **kwargs))
 
     def resume(self, request_id: str, offset: int) -> Iterator[Delta]:
         """Streams a request's output from token `offset` on (the tokens already received),
         through any router: a Generate stream whose router died goes on here."""
-        call = self._stub.Resume(
-            generation_pb2.ResumeGenerationRequest(request_id=request_id, offset=offset),
-            timeout=self.timeout_s,
-            metadata=self._metadata,
-        )
+        request = generation_pb2.ResumeGenerationRequest(request_id=request_id, offset=offset)
+        return self._stream(self._stub.Resume, request)
+
+    def _stream(self, rpc, request) -> Iterator[Delta]:
+        call = rpc(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             for msg in call:
                 yield delta_from_pb(msg)

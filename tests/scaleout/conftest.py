@@ -6,26 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.conftest import PROMPTS, hf_greedy_reference
 from tests.scaleout.utils import ScaleOutStack
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "List three colours:",
-    "The quick brown fox",
-    "Water boils at a temperature of",
-    "In 1969, the first humans to walk on the Moon were",
-    "Translate to French: good morning",
-    "A haiku about autumn leaves:",
-    "The main ingredients of a pancake are",
-    "Question: What is 12 times 12? Answer:",
-    "My favourite programming language is Python because",
-    "The mitochondria is",
-    "Here is a short story about a robot who learns to paint. The robot",
-    "Dear hiring manager,",
-    "import numpy as np\nx = np.arange(10)\nprint(",
-]
 MAX_TOKENS = 16
 
 
@@ -40,14 +23,8 @@ def prompts(smollm2_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(smollm2_dir, prompts):
     """HF greedy: (tokens, per-step logits) per prompt, MAX_TOKENS new tokens."""
-    import transformers
-
-    from tests.integration.weights_utils import hf_greedy
-
     torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    model.eval()
-    return hf_greedy(model, prompts, MAX_TOKENS)
+    return hf_greedy_reference(smollm2_dir, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

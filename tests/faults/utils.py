@@ -189,41 +189,59 @@ class UpStack:
     # -- streams ------------------------------------------------------------------------
     def stream(self, prompt_ids: list[int], max_tokens: int, out: Outcome, **fields) -> None:
         """One Generate stream through the router, recorded into `out`."""
-        request = generation_pb2.GenerateRequest(
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            **fields,
-        )
-        request.token_ids.ids.extend(prompt_ids)
-        with grpc.insecure_channel(self.router) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            try:
-                for msg in stub.Generate(request, timeout=300):
-                    out.request_id = msg.request_id
-                    out.offsets_ok &= msg.offset == len(out.token_ids)
-                    out.token_ids.extend(msg.token_ids)
-                    out.finish_reason = msg.finish_reason
-            except grpc.RpcError as exc:
-                out.error = exc.code()
+        generate(self.router, prompt_ids, max_tokens, out, **fields)
 
     def run_streams(
         self, prompts: list[list[int]], max_tokens: int, fault=None, after_tokens: int = 0
     ) -> list[Outcome]:
         """Streams every prompt at once; calls `fault()` once the streams together received
         `after_tokens` tokens (mid-run), then waits for all of them to end."""
-        outcomes = [Outcome() for _ in prompts]
-        threads = [
-            threading.Thread(target=self.stream, args=(p, max_tokens, o), daemon=True)
-            for p, o in zip(prompts, outcomes, strict=True)
-        ]
-        for thread in threads:
-            thread.start()
-        if fault is not None:
-            wait_until(lambda: sum(len(o.token_ids) for o in outcomes) >= after_tokens, 120)
-            fault()
-        for thread in threads:
-            thread.join(timeout=300)
-        assert not any(t.is_alive() for t in threads), "a stream never ended"
-        return outcomes
+        return run_streams(self.router, prompts, max_tokens, fault, after_tokens)
+
+
+def generate(router: str, prompt_ids: list[int], max_tokens: int, out: Outcome, **fields) -> None:
+    """One greedy Generate stream through `router`, recorded into `out`."""
+    request = generation_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        **fields,
+    )
+    request.token_ids.ids.extend(prompt_ids)
+    with grpc.insecure_channel(router) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for msg in stub.Generate(request, timeout=300):
+                out.request_id = msg.request_id
+                out.offsets_ok &= msg.offset == len(out.token_ids)
+                out.token_ids.extend(msg.token_ids)
+                out.finish_reason = msg.finish_reason
+        except grpc.RpcError as exc:
+            out.error = exc.code()
+
+
+def run_streams(
+    router: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    fault=None,
+    after_tokens: int = 0,
+    fault_wait_s: float = 120,
+) -> list[Outcome]:
+    """Streams every prompt at once through `router`; calls `fault()` once the streams
+    together received `after_tokens` tokens, then waits for all of them to end."""
+    outcomes = [Outcome() for _ in prompts]
+    threads = [
+        threading.Thread(target=generate, args=(router, p, max_tokens, o), daemon=True)
+        for p, o in zip(prompts, outcomes, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    if fault is not None:
+        wait_until(lambda: sum(len(o.token_ids) for o in outcomes) >= after_tokens, fault_wait_s)
+        fault()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a stream never ended"
+    return outcomes
 
 
 def _children(pid: int) -> list[int]:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,14 +21,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.proto.conveyor.v1 import (
-    common_pb2,
-    generation_pb2,
-    generation_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
 from services.common.redis_server import free_port
-from tests.faults.utils import Outcome, RedisProcess, wait_until
+from tests.faults.utils import RedisProcess, wait_until
+from tests.faults.utils import run_streams as fault_streams
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -209,44 +206,8 @@ def health(address: str, timeout_s: float = 1.0) -> int | None:
             return None
 
 
-def generate(router: str, prompt_ids: list[int], max_tokens: int, out: Outcome) -> None:
-    """One greedy Generate stream through `router`, recorded into `out`."""
-    request = generation_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    )
-    request.token_ids.ids.extend(prompt_ids)
-    with grpc.insecure_channel(router) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        try:
-            for msg in stub.Generate(request, timeout=300):
-                out.request_id = msg.request_id
-                out.offsets_ok &= msg.offset == len(out.token_ids)
-                out.token_ids.extend(msg.token_ids)
-                out.finish_reason = msg.finish_reason
-        except grpc.RpcError as exc:
-            out.error = exc.code()
-
-
 def run_streams(
-    router: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    fault=None,
-    after_tokens: int = 0,
-) -> list[Outcome]:
-    """Streams every prompt at once; calls `fault()` once the streams together received
-    `after_tokens` tokens, then waits for all of them to end."""
-    outcomes = [Outcome() for _ in prompts]
-    threads = [
-        threading.Thread(target=generate, args=(router, p, max_tokens, o), daemon=True)
-        for p, o in zip(prompts, outcomes, strict=True)
-    ]
-    for thread in threads:
-        thread.start()
-    if fault is not None:
-        wait_until(lambda: sum(len(o.token_ids) for o in outcomes) >= after_tokens, 300)
-        fault()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a stream never ended"
-    return outcomes
+    router: str, prompts: list[list[int]], max_tokens: int, fault=None, after_tokens: int = 0
+):
+    """tests/faults' run_streams, waiting longer for the fault's moment (two stacks start)."""
+    return fault_streams(router, prompts, max_tokens, fault, after_tokens, fault_wait_s=300)

@@ -152,17 +152,37 @@ def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
     torch.testing.assert_close(ours.float(), ref.float(), atol=0.02, rtol=0.02)
 
 
-@pytest.mark.skipif(
-    not cpu_ops.available() or not cpu_ops.load_kernels().int8_any_rows(64),
-    reason="this CPU has no AVX512-VNNI",
-)
-def test_int8_rows_do_not_depend_on_the_batch_around_them():
-    """Sync and async scheduling batch requests differently: on AVX512-VNNI every batch size
-    takes one arithmetic, so a row's output is bit-identical alone and in a batch of 40."""
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernel does not build here")
+@pytest.mark.parametrize("in_features", [64, 576, 1000])
+def test_int8_rows_depend_neither_on_the_batch_nor_on_the_instruction_set(in_features):
+    """Sync and async scheduling batch requests differently: every batch size takes one
+    exact integer arithmetic, so a row's output is bit-identical alone and in a batch of 40,
+    and AVX512-VNNI, AVX2 and plain C++ give the same bits (a CI machine without VNNI once
+    gave different tokens to sync and async when bigger batches took torch's kernel)."""
     gen = torch.Generator().manual_seed(8)
-    layer = QuantLinear("int8", torch.randn(96, 64, generator=gen), None)
-    x = torch.randn(40, 64, generator=gen).bfloat16()
-    batch = layer(x)
-    for row in (0, 3, 4, 39):
-        assert torch.equal(layer(x[row : row + 1]), batch[row : row + 1])
-    assert torch.equal(layer(x[:4]), batch[:4])
+    layer = QuantLinear("int8", torch.randn(96, in_features, generator=gen), None)
+    x = torch.randn(40, in_features, generator=gen).bfloat16()
+    kernels = cpu_ops.load_kernels()
+    isas = kernels.int8_isas()
+    outputs = {}
+    try:
+        for isa in isas:
+            kernels.use_int8_isa(isa)
+            batch = layer(x)
+            for row in (0, 3, 4, 39):
+                assert torch.equal(layer(x[row : row + 1]), batch[row : row + 1]), (isa, row)
+            assert torch.equal(layer(x[:4]), batch[:4])
+            assert torch.equal(layer(x[:7]), batch[:7])
+            outputs[isa] = batch
+    finally:
+        kernels.use_int8_isa(isas[0])
+    assert all(torch.equal(out, outputs[isas[0]]) for out in outputs.values())
+    reference = x.float() @ (layer.qweight.float() * layer.scale[:, None]).T
+    torch.testing.assert_close(outputs[isas[0]].float(), reference, atol=0.05, rtol=0.02)
+
+
+def test_use_int8_isa_refuses_what_this_cpu_cannot_run():
+    if not cpu_ops.available():
+        pytest.skip("the C++ kernel does not build here")
+    with pytest.raises(RuntimeError, match="does not run on this CPU"):
+        cpu_ops.load_kernels().use_int8_isa("avx1024")

@@ -63,8 +63,8 @@ def available() -> bool:
 
 def serves(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether `small_linear(x, weight)` applies: a CPU matmul of 1..MAX_ROWS rows, or of
-    any number of rows for int8 weights on AVX512-VNNI (one arithmetic for every batch
-    size there: a row's result does not depend on the batch around it)."""
+    any number of rows for int8 weights (exact integer dots: a row's result depends neither
+    on the batch around it nor on the CPU's instruction set)."""
     return (
         weight is not None
         and x.dim() == 2
@@ -72,12 +72,8 @@ def serves(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
         and weight.dtype in _DTYPES
         and available()
         and x.shape[0] >= 1
-        and (x.shape[0] <= MAX_ROWS or _int8_any_rows(weight))
+        and (x.shape[0] <= MAX_ROWS or weight.dtype == torch.int8)
     )
-
-
-def _int8_any_rows(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.int8 and load_kernels().int8_any_rows(weight.shape[1])
 
 
 def small_linear(
@@ -88,7 +84,9 @@ def small_linear(
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (* scale [N]) (+ bias [N]) -> [M, N] in x's dtype.
 
-    Computed in float32 (int8 and bfloat16 weights widened exactly); M <= MAX_ROWS.
+    Float32 and bfloat16 weights: computed in float32, M <= MAX_ROWS. int8 weights: any M,
+    activations rounded to int16 per row, exact integer dots (bit-identical for every batch
+    size and instruction set).
     """
     return load_kernels().small_linear(x, weight, scale, bias)  # casts in C++
 

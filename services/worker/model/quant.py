@@ -111,8 +111,10 @@ class QuantLinear(nn.Module):
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
 
     small_batch = True
-    """int8 on CPU: 1-4 rows on `cpu_ops.small_linear` (a decode step of a few requests;
-    torch's int8 kernel reads the weights at a fraction of the bandwidth there)."""
+    """int8 on CPU: every matmul on `cpu_ops.small_linear`'s exact integer dot, so a row's
+    result does not depend on the batch around it (sync and async scheduling batch
+    differently); torch's int8 kernel only where the C++ kernel cannot build. False: torch's
+    kernel always (quant_compare measures the two)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.method == "int8" and self.small_batch and cpu_ops.serves(x, self.qweight):

@@ -6,7 +6,8 @@
 //
 // small_linear: y = (x @ W.T) * scale + bias for a few rows.
 //
-//   x      [M, K]  float32 or bfloat16, M <= kMaxRows (the rows that decode this step)
+//   x      [M, K]  float32 or bfloat16, M <= kMaxRows (the rows that decode this step),
+//                  any M for int8 weights (their exact integer path, below)
 //   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
 //   scale  [N]     or undefined: per-output-channel scale of int8 weights
 //   bias   [N]     or undefined
@@ -23,7 +24,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <immintrin.h>
 #include <cstring>
 #include <cmath>
@@ -36,7 +39,6 @@ constexpr int64_t kMaxRows = 4;
 constexpr int64_t kRowsPerTask = 16;  // output channels per parallel work item (grain)
 
 inline float widen(float v) { return v; }
-inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t v) {  // bfloat16 bits -> float32: the high half of a float
   return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16);
 }
@@ -47,9 +49,6 @@ inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each float
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
 #endif
 
@@ -100,13 +99,18 @@ void run(int64_t M, const float* x, const W* w, const float* scale, const float*
   });
 }
 
-// int8 weights on AVX512-VNNI: the activations rounded to int16 per row (x ~= xq * amax /
-// 32767, error <= amax / 65534 per element, finer than the bfloat16 activations the int8
-// path takes) and dotted with the weights widened to int16 by `vpdpwssd`, 32 weights per
-// 2 vector ops where the float path needs 6 per 32: the float path is bound by that
-// widening (~15 GB/s per core), this one by memory. Exact integer sums: |q| <= 127,
-// |xq| <= 32767, and kMaxVnniK / 16 products per int32 lane stay below 2^31.
-constexpr int64_t kMaxVnniK = 8192;
+// int8 weights, any number of rows: the activations rounded to int16 per row (x ~= xq * amax
+// / 32767, error <= amax / 65534 per element, finer than the bfloat16 activations torch's
+// int8 kernel takes) and dotted with the weights widened to int16, in exact integer sums.
+// Exact sums make a row's result independent of everything else: of the batch around it
+// (sync and async scheduling batch requests differently and must give the same tokens), of
+// the tiling below, and of the instruction set, so AVX512-VNNI (`vpdpwssd`, 32 weights per
+// 2 vector ops where the float path needs 6 per 32: bound by memory, not by widening), AVX2
+// (`vpmaddwd`) and plain C++ all give the same bits. Bounds: |q| <= 127, |xq| <= 32767; a
+// vector lane takes at most kChunk / 8 products (< 2^31) before it is added into int64.
+constexpr int64_t kChunk = 2048;  // k per int32 accumulation; a multiple of 32
+constexpr int64_t kTileX = 4;     // rows of x per tile (register blocking)
+constexpr int64_t kTileW = 4;     // weight rows per tile
 
 bool has_vnni() {
   static const bool supported = __builtin_cpu_supports("avx512vnni") &&
@@ -114,48 +118,202 @@ bool has_vnni() {
   return supported;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni(const int16_t* xq,
-                                                                          const int8_t* w,
-                                                                          int64_t K) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+bool has_avx2() {
+  static const bool supported = __builtin_cpu_supports("avx2");
+  return supported;
+}
+
+// The instruction sets this CPU runs the int8 dot with, best first; `int8_isa` is the one
+// used (the best, unless `use_int8_isa` picked another: the tests compare them).
+enum class Isa { kVnni, kAvx2, kScalar };
+constexpr const char* kIsaNames[] = {"avx512_vnni", "avx2", "scalar"};
+
+std::vector<Isa> int8_isas() {
+  std::vector<Isa> isas;
+  if (has_vnni()) isas.push_back(Isa::kVnni);
+  if (has_avx2()) isas.push_back(Isa::kAvx2);
+  isas.push_back(Isa::kScalar);
+  return isas;
+}
+
+Isa& int8_isa() {
+  static Isa isa = int8_isas().front();
+  return isa;
+}
+
+std::vector<std::string> int8_isa_names() {
+  std::vector<std::string> names;
+  for (Isa isa : int8_isas()) names.emplace_back(kIsaNames[static_cast<int>(isa)]);
+  return names;
+}
+
+void use_int8_isa(const std::string& name) {
+  for (Isa isa : int8_isas())
+    if (name == kIsaNames[static_cast<int>(isa)]) {
+      int8_isa() = isa;
+      return;
+    }
+  TORCH_CHECK(false, "use_int8_isa: ", name, " does not run on this CPU");
+}
+
+// A tile: sums[i * RW + j] = xq[i] . w[j] over K, for RX rows of x (stride K) and RW weight
+// rows (stride K, int8 or int16). Each vector of w and of x is loaded once per tile.
+template <typename W, int RX, int RW>
+void tile_scalar(const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < RW; ++j) {
+      int64_t sum = 0;
+      for (int64_t k = 0; k < K; ++k)
+        sum += static_cast<int32_t>(xq[i * K + k]) * static_cast<int32_t>(w[j * K + k]);
+      sums[i * RW + j] = sum;
+    }
+}
+
+template <typename W, int RX, int RW>
+void tail_sums(const int16_t* xq, const W* w, int64_t K, int64_t k, int64_t* sums) {
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < RW; ++j)
+      for (int64_t t = k; t < K; ++t)
+        sums[i * RW + j] += static_cast<int32_t>(xq[i * K + t]) * static_cast<int32_t>(w[j * K + t]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i load32(const int8_t* w) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i load32(const int16_t* w) {
+  return _mm512_loadu_si512(w);
+}
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline int64_t lanes_sum(__m512i v) {
+  const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v));
+  const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+
+// 32 k per step, 2 products per lane per step: kChunk / 16 products per lane.
+template <typename W, int RX, int RW>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int16_t* xq,
+                                                                        const W* w, int64_t K,
+                                                                        int64_t* sums) {
+  for (int i = 0; i < RX * RW; ++i) sums[i] = 0;
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32)));
-    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), w0);
-    a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(xq + k + 32), w1);
+  for (; k + 32 <= K;) {
+    __m512i acc[RX][RW];
+    for (int i = 0; i < RX; ++i)
+      for (int j = 0; j < RW; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (const int64_t end = std::min(K, k + kChunk); k + 32 <= end; k += 32) {
+      __m512i wv[RW];
+      for (int j = 0; j < RW; ++j) wv[j] = load32(w + j * K + k);
+      for (int i = 0; i < RX; ++i) {
+        const __m512i xv = _mm512_loadu_si512(xq + i * K + k);
+        for (int j = 0; j < RW; ++j) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], xv, wv[j]);
+      }
+    }
+    for (int i = 0; i < RX; ++i)
+      for (int j = 0; j < RW; ++j) sums[i * RW + j] += lanes_sum(acc[i][j]);
   }
-  for (; k + 32 <= K; k += 32) {
-    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), w0);
-  }
-  int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
-  for (; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * static_cast<int32_t>(w[k]);
+  tail_sums<W, RX, RW>(xq, w, K, k, sums);
+}
+
+__attribute__((target("avx2"))) inline __m256i load16_epi16(const int8_t* w) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+__attribute__((target("avx2"))) inline __m256i load16_epi16(const int16_t* w) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+}
+__attribute__((target("avx2"))) inline int64_t lanes_sum(__m256i v) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  int64_t sum = 0;
+  for (int32_t lane : lanes) sum += lane;
   return sum;
 }
 
-// Both operands already int16 (the weight row widened once, for many rows of x).
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t dot_vnni16(const int16_t* xq,
-                                                                            const int16_t* w,
-                                                                            int64_t K) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+// `vpmaddwd`: 16 int16 products summed in pairs into 8 int32 lanes; 16 k per step, 2
+// products per lane per step: kChunk / 8 products per lane.
+template <typename W, int RX, int RW>
+__attribute__((target("avx2"))) void tile_avx2(const int16_t* xq, const W* w, int64_t K,
+                                                int64_t* sums) {
+  for (int i = 0; i < RX * RW; ++i) sums[i] = 0;
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
-    a1 = _mm512_dpwssd_epi32(a1, _mm512_loadu_si512(xq + k + 32), _mm512_loadu_si512(w + k + 32));
+  for (; k + 16 <= K;) {
+    __m256i acc[RX][RW];
+    for (int i = 0; i < RX; ++i)
+      for (int j = 0; j < RW; ++j) acc[i][j] = _mm256_setzero_si256();
+    for (const int64_t end = std::min(K, k + kChunk); k + 16 <= end; k += 16) {
+      __m256i wv[RW];
+      for (int j = 0; j < RW; ++j) wv[j] = load16_epi16(w + j * K + k);
+      for (int i = 0; i < RX; ++i) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + k));
+        for (int j = 0; j < RW; ++j)
+          acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
+      }
+    }
+    for (int i = 0; i < RX; ++i)
+      for (int j = 0; j < RW; ++j) sums[i * RW + j] += lanes_sum(acc[i][j]);
   }
-  for (; k + 32 <= K; k += 32)
-    a0 = _mm512_dpwssd_epi32(a0, _mm512_loadu_si512(xq + k), _mm512_loadu_si512(w + k));
-  int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
-  for (; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * static_cast<int32_t>(w[k]);
-  return sum;
+  tail_sums<W, RX, RW>(xq, w, K, k, sums);
 }
 
-// Any number of rows: the int8 path is the same arithmetic for every batch size, so a row's
-// result never depends on the batch around it (sync and async scheduling batch requests
-// differently, and must give the same tokens).
-void int8_vnni(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
-               float* out, int64_t K, int64_t N) {
+template <typename W, int RX, int RW>
+void tile(const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
+  switch (int8_isa()) {
+    case Isa::kVnni: return tile_vnni<W, RX, RW>(xq, w, K, sums);
+    case Isa::kAvx2: return tile_avx2<W, RX, RW>(xq, w, K, sums);
+    default: return tile_scalar<W, RX, RW>(xq, w, K, sums);
+  }
+}
+
+template <typename W, int RX>
+void tile_rw(int64_t rw, const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
+  switch (rw) {
+    case 1: return tile<W, RX, 1>(xq, w, K, sums);
+    case 2: return tile<W, RX, 2>(xq, w, K, sums);
+    case 3: return tile<W, RX, 3>(xq, w, K, sums);
+    default: return tile<W, RX, kTileW>(xq, w, K, sums);
+  }
+}
+
+// rx rows of x (1..kTileX) against rw weight rows (1..kTileW).
+template <typename W>
+void any_tile(int64_t rx, int64_t rw, const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
+  switch (rx) {
+    case 1: return tile_rw<W, 1>(rw, xq, w, K, sums);
+    case 2: return tile_rw<W, 2>(rw, xq, w, K, sums);
+    case 3: return tile_rw<W, 3>(rw, xq, w, K, sums);
+    default: return tile_rw<W, kTileX>(rw, xq, w, K, sums);
+  }
+}
+
+// out[r, n] for weight rows [begin, end) and every row r of x, kTileW weight rows at a time
+// (independent accumulators, so the dot's latency overlaps): a decode step (M <= kTileX)
+// dots the int8 rows as they stream in; a bigger batch widens the weight rows to int16 once
+// and tiles the rows of x against them.
+void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* w,
+               const float* scale, const float* bias, float* out, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  std::vector<int16_t> w16(M > kTileX ? kTileW * K : 0);
+  int64_t sums[kTileX * kTileW];
+  for (int64_t n = begin; n < end; n += kTileW) {
+    const int64_t rw = std::min(kTileW, end - n);
+    if (M > kTileX)
+      for (int64_t k = 0; k < rw * K; ++k) w16[k] = w[n * K + k];
+    for (int64_t r = 0; r < M; r += kTileX) {
+      const int64_t rx = std::min(kTileX, M - r);
+      if (M > kTileX)
+        any_tile(rx, rw, xq + r * K, w16.data(), K, sums);
+      else
+        any_tile(rx, rw, xq + r * K, w + n * K, K, sums);
+      for (int64_t i = 0; i < rx; ++i)
+        for (int64_t j = 0; j < rw; ++j) {
+          const float s = scale ? scale[n + j] : 1.f, b = bias ? bias[n + j] : 0.f;
+          out[(r + i) * N + n + j] = static_cast<float>(sums[i * rw + j]) * x_scale[r + i] * s + b;
+        }
+    }
+  }
+}
+
+void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
+                 float* out, int64_t K, int64_t N) {
   std::vector<int16_t> xq(M * K);
   std::vector<float> x_scale(M);  // amax / 32767 of each row
   for (int64_t r = 0; r < M; ++r) {
@@ -167,21 +325,7 @@ void int8_vnni(int64_t M, const float* x, const int8_t* w, const float* scale, c
     x_scale[r] = amax / 32767.f;
   }
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> w16(M > kMaxRows ? K : 0);
-    for (int64_t n = begin; n < end; ++n) {
-      const float s = scale ? scale[n] : 1.f, b = bias ? bias[n] : 0.f;
-      const int8_t* row = w + n * K;
-      if (M > kMaxRows) {  // widen the weight row once for all the rows of x
-        for (int64_t k = 0; k < K; ++k) w16[k] = row[k];
-        for (int64_t r = 0; r < M; ++r)
-          out[r * N + n] = static_cast<float>(dot_vnni16(xq.data() + r * K, w16.data(), K)) *
-                               x_scale[r] * s + b;
-      } else {
-        for (int64_t r = 0; r < M; ++r)
-          out[r * N + n] = static_cast<float>(dot_vnni(xq.data() + r * K, row, K)) *
-                               x_scale[r] * s + b;
-      }
-    }
+    int8_rows(M, xq.data(), x_scale.data(), w, scale, bias, out, K, N, begin, end);
   });
 }
 
@@ -192,10 +336,9 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
-  const bool int8_any_rows = weight.scalar_type() == at::kChar && has_vnni() &&
-                             x.size(1) <= kMaxVnniK;
-  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8_any_rows), "small_linear: 1 to ",
-              kMaxRows, " rows (any number for int8 weights on AVX512-VNNI), got ", x.size(0));
+  const bool int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8), "small_linear: 1 to ",
+              kMaxRows, " rows (any number for int8 weights), got ", x.size(0));
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   weight.is_contiguous(),
               "small_linear: float32 or bfloat16 x and a contiguous weight");
@@ -225,10 +368,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
       run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
       break;
     case at::kChar:
-      if (int8_any_rows)
-        int8_vnni(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
-      else
-        run(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
+      int8_linear(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
       break;
     default:
       TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
@@ -526,6 +666,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none());
   m.attr("max_rows") = kMaxRows;
-  m.def("int8_any_rows", [](int64_t in_features) { return has_vnni() && in_features <= kMaxVnniK; },
-        "whether small_linear takes int8 weights of this width for any number of rows");
+  m.def("int8_isas", &int8_isa_names, "instruction sets of the int8 dot on this CPU, best first");
+  m.def("use_int8_isa", &use_int8_isa, "run the int8 dot with this one (tests compare them)");
 }

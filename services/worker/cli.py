@@ -148,6 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port (probes that "
         "cannot speak TLS) (default: off)",
     )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="serve the whole model as the draft worker of speculative decoding, which the "
+        "scheduler asks for proposed tokens (docs/speculative-decoding.md) (default: a "
+        "pipeline stage)",
+    )
     add_sim_arguments(parser)
 
 
@@ -228,6 +235,7 @@ def build_config(args: argparse.Namespace):
         sim_link_bandwidth=args.sim_link_bandwidth,
         sim_link_latency=args.sim_link_latency,
         sim_tensor_parallel_size=args.sim_tensor_parallel_size,
+        is_draft=args.draft,
     )
 
 
@@ -236,9 +244,12 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from services.common.affinity import pin_process
-    from services.worker.server import serve
 
     config = build_config(args)
+    if config.is_draft:
+        from services.worker.draft_server import serve
+    else:
+        from services.worker.server import serve
     if config.cpu_affinity:
         pin_process(config.cpu_affinity)
     # The compute thread hands each result to the gRPC loop thread; with Python's default

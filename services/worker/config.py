@@ -124,6 +124,9 @@ class WorkerConfig:
     sim_tensor_parallel_size: int = 1
     """`--sim-tensor-parallel-size`, device sim: modeled TP ranks per stage (weights, FLOPs
     and KV split over them, plus an all-reduce per attention and MLP block)."""
+    is_draft: bool = False
+    """`--draft`: serve the whole model as the draft worker of speculative decoding (the
+    DraftWorker service, docs/speculative-decoding.md), not a pipeline stage."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -146,6 +149,13 @@ class WorkerConfig:
                 f"tp_rank={self.tp_rank} is out of range: must be in "
                 f"[0, {self.tensor_parallel_size - 1}] (tensor_parallel_size="
                 f"{self.tensor_parallel_size})"
+            )
+        if self.is_draft and (
+            self.num_stages > 1 or self.tensor_parallel_size > 1 or self.device == "sim"
+        ):
+            raise ConfigError(
+                "--draft runs the whole draft model in one process on a real device: it takes "
+                "neither --stages, --tensor-parallel-size nor --device sim"
             )
         if self.tensor_parallel_size > 1 and self.device == "sim":
             raise ConfigError(

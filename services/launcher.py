@@ -230,6 +230,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             raise ConfigError(f"--pipelines={num_pipelines} is out of range: must be >= 1")
         env = dict(os.environ)
         tp_size = check_parallel(args)
+        check_draft_model(args)
         num_ranks = args.stages * tp_size
         threads = args.threads or default_threads(num_ranks * num_pipelines)
         pinned = None
@@ -398,6 +399,52 @@ def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
     return argv
 
 
+def check_draft_model(args: argparse.Namespace) -> None:
+    """A draft model (`--speculative-config '{"model": DIR}'`) must load and share the
+    served model's vocabulary; raises ConfigError naming both sizes otherwise."""
+    from services.scheduler.speculative import SpeculativeConfig
+    from services.worker.model.config import ModelConfig
+
+    if not args.speculative_config:
+        return
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    if not spec.uses_draft_model:
+        return
+    if args.device == "sim":
+        raise ConfigError("a draft model runs on a real device: --device sim takes none")
+    draft, target = ModelConfig.from_dir(spec.model), ModelConfig.from_dir(args.model)
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the draft model {spec.model} has a vocabulary of "
+            f"{draft.vocab_size} tokens, the served model {args.model} {target.vocab_size}: a "
+            "draft model must share the served model's tokenizer"
+        )
+
+
+def _spawn_draft_worker(
+    stack: Stack, args: argparse.Namespace, name: str, internal: list[str], env: dict[str, str]
+) -> str | None:
+    """The draft worker of one pipeline (a "draft_model" --speculative-config); returns its
+    address, or None when there is none."""
+    from services.scheduler.speculative import SpeculativeConfig
+
+    if not args.speculative_config:
+        return None
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    if not spec.uses_draft_model:
+        return None
+    port = free_port()
+    argv = ["worker", "--draft", "--model", spec.model, "--port", str(port)]
+    argv += ["--host", INTERNAL_HOST, *internal, "--kv-cache-memory", args.kv_cache_memory]
+    argv += ["--dtype", args.dtype, *_device_args(args)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if getattr(args, "max_model_len", None):
+        argv += ["--max-model-len", str(args.max_model_len)]
+    stack.spawn(f"worker draft ({name})" if name else "worker draft", argv, env)
+    return f"{INTERNAL_HOST}:{port}"
+
+
 def _speculative_config(text: str) -> str:
     """--speculative-config is checked before any process starts (the scheduler parses it
     again); a bad one is a usage error naming what is wrong."""
@@ -463,7 +510,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         type=_speculative_config,
         help='speculative decoding, passed to the scheduler: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', or a draft model, '
+        '\'{"model": DIR, "num_speculative_tokens": 4}\', which a draft worker runs '
+        "(default: off)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -731,6 +780,9 @@ def _spawn_pipeline(
     ]
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
+    draft_addr = _spawn_draft_worker(stack, args, name, internal, env)
+    if draft_addr:
+        argv += ["--draft-worker", draft_addr]
     suffix = f".{name}" if name else ""  # one file per pipeline
     if args.timeline:
         argv += ["--timeline", args.timeline + suffix]

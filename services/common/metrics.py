@@ -205,6 +205,8 @@ class SchedulerSnapshot:
     num_spec_steps: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_draft_calls: int = 0
+    num_draft_failures: int = 0
 
 
 class SchedulerCollector(Collector):
@@ -263,6 +265,17 @@ class SchedulerCollector(Collector):
             "conveyor:spec_decode_num_accepted_tokens",
             "Speculative decoding: proposed tokens the model confirmed.",
             snap.num_spec_accepted_tokens,
+        )
+        yield _counter(
+            "conveyor:spec_decode_draft_calls",
+            "Speculative decoding, draft model: calls the draft worker answered.",
+            snap.num_draft_calls,
+        )
+        yield _counter(
+            "conveyor:spec_decode_draft_failures",
+            "Speculative decoding, draft model: calls that failed or timed out (those steps "
+            "ran without proposals).",
+            snap.num_draft_failures,
         )
         yield _counter(
             "conveyor:poison_requests",

@@ -83,6 +83,9 @@ def stats_to_dict(msg, top: int) -> dict:
         "num_spec_accepted_tokens": msg.num_spec_accepted_tokens,
         "spec_acceptance_rate": msg.spec_acceptance_rate,
         "spec_mean_accepted_length": msg.spec_mean_accepted_length,
+        "num_draft_calls": msg.num_draft_calls,
+        "num_draft_failures": msg.num_draft_failures,
+        "draft_problem": msg.draft_problem,
         "num_requests_with_blocks": len(blocks),
         "top_requests": [{"request_id": rid, "num_blocks": n} for rid, n in blocks[:top]],
     }
@@ -91,11 +94,19 @@ def stats_to_dict(msg, top: int) -> dict:
 def _speculation(stats: dict) -> str:
     if not stats["speculative_config"]:
         return "off"
-    return (
+    line = (
         f"{stats['spec_acceptance_rate']:.1%} of {stats['num_spec_draft_tokens']} proposed "
         f"tokens accepted, {stats['spec_mean_accepted_length']:.2f} tokens per speculative "
         f"step ({stats['num_spec_steps']} steps)"
     )
+    if stats["num_draft_calls"] or stats["num_draft_failures"]:
+        line += (
+            f"; draft worker: {stats['num_draft_calls']} calls, "
+            f"{stats['num_draft_failures']} failed"
+        )
+    if stats["draft_problem"]:
+        line += f"; now: {stats['draft_problem']}"
+    return line
 
 
 def format_table(stats: dict) -> str:

@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/speculative-decoding.md)",
     )
     parser.add_argument(
+        "--draft-worker",
+        default=None,
+        metavar="HOST:PORT",
+        help='the draft worker (`conveyor worker --draft`) a {"model": DIR} '
+        "--speculative-config asks for proposed tokens (default: none)",
+    )
+    parser.add_argument(
         "--max-inflight",
         type=int,
         default=None,
@@ -230,6 +237,7 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         port=args.port,
         scheduling=args.scheduling,
         speculative=args.speculative_config,
+        draft_worker=args.draft_worker,
         max_inflight=args.max_inflight,
         policy=args.scheduler_policy,
         max_num_seqs=args.max_num_seqs,

@@ -102,6 +102,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (`--speculative-config`, docs/speculative-decoding.md); None:
     one token per decoding step."""
+    draft_worker: str | None = None
+    """HOST:PORT of the draft worker (`--draft-worker`), needed by a `draft_model`
+    speculative config and by nothing else."""
     max_waiting: int = 10_000
     """Most requests waiting in the queue; one more raises `QueueFull` (`--max-waiting`)."""
     orphan_timeout_s: float = 5.0
@@ -189,6 +192,17 @@ class SchedulerConfig:
         self.scheduling = _enum(SchedulingMode, self.scheduling, "scheduling")
         if isinstance(self.speculative, str):
             self.speculative = SpeculativeConfig.from_json(self.speculative)
+        uses_draft = self.speculative is not None and self.speculative.uses_draft_model
+        if uses_draft and not self.draft_worker:
+            raise ConfigError(
+                'a "draft_model" --speculative-config needs --draft-worker HOST:PORT, the '
+                "address of a `conveyor worker --draft` (conveyor up starts one)"
+            )
+        if self.draft_worker and not uses_draft:
+            raise ConfigError(
+                '--draft-worker is used by a "draft_model" --speculative-config only, e.g. '
+                '\'{"model": DIR, "num_speculative_tokens": 4}\''
+            )
         for name, low in (
             ("num_blocks", 1),
             ("block_size", 1),

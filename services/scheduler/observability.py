@@ -233,6 +233,8 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
         num_spec_steps=core.spec_stats.num_steps,
         num_spec_draft_tokens=core.spec_stats.num_draft_tokens,
         num_spec_accepted_tokens=core.spec_stats.num_accepted_tokens,
+        num_draft_calls=service.drafts.counters.num_calls if service.drafts else 0,
+        num_draft_failures=service.drafts.counters.num_failures if service.drafts else 0,
     )
 
 

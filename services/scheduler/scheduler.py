@@ -111,6 +111,8 @@ class Scheduler:
         """Set while paused: WAIT plans running requests only, KEEP and ABORT nothing."""
         self.spec_stats = SpecStats()
         """Speculative steps of every request so far (`conveyor stats`)."""
+        self._draft_proposals: dict[str, list[int]] = {}
+        """The draft worker's tokens for the step being planned (`schedule`)."""
 
     @classmethod
     def recover(cls, config: SchedulerConfig, store: StateStore) -> Scheduler:
@@ -247,8 +249,12 @@ class Scheduler:
         return bool(self.requests)
 
     # -- planning --------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Plan the next global step: running decodes first, then prefill chunks."""
+    def schedule(self, draft_proposals: dict[str, list[int]] | None = None) -> StepPlan:
+        """Plan the next global step: running decodes first, then prefill chunks.
+
+        `draft_proposals`: with a draft model, the draft worker's tokens for (some of) the
+        requests `draft_candidates()` named; one without proposes nothing this step."""
+        self._draft_proposals = draft_proposals or {}
         step_id = self._next_step_id
         self._next_step_id += 1
         plan = StepPlan(step_id=step_id, finished_request_ids=self._finished_ids)
@@ -327,21 +333,56 @@ class Scheduler:
             return 0
         return max_pending
 
-    def _propose(self, request: Request, budget: _Budget) -> list[int]:
-        """Up to k proposed tokens the request can keep (max_tokens, max_model_len, the
-        step's token budget); none found halves k."""
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """Draft model: the requests the next `schedule()` may propose tokens for, each with
+        the most tokens it can keep; the draft worker's tokens for them go to `schedule`.
+        Only requests with nothing in flight (their tokens are all known) are named."""
         spec = self.config.speculative
-        room = min(
+        if spec is None or not spec.uses_draft_model or self.is_frozen:
+            return []
+        step_id, only = self._next_step_id, self.isolated_id
+        candidates = []
+        for request in self.running.values():
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.pending_step_ids
+                or request.next_step_id > step_id
+                or (only is not None and request.request_id != only)
+                or request.num_tokens - request.num_computed_tokens != 1
+                or not self._speculates(request)
+            ):
+                continue
+            room = self._room(request, self.config.max_num_batched_tokens)
+            if room > 0:
+                candidates.append((request, room))
+        return candidates
+
+    def _room(self, request: Request, num_budget_tokens: int) -> int:
+        """Proposed tokens the request can keep: k, max_tokens, max_model_len, the budget."""
+        return min(
             request.num_spec_tokens,
             request.sampling.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
-            budget.num_tokens - 1,
+            num_budget_tokens - 1,
         )
+
+    def _propose(self, request: Request, budget: _Budget) -> list[int]:
+        """Up to k proposed tokens the request can keep (max_tokens, max_model_len, the
+        step's token budget); none found halves k. A draft model's request the draft worker
+        did not answer for (down, slow) proposes nothing and keeps its k."""
+        spec = self.config.speculative
+        room = self._room(request, budget.num_tokens)
         if room <= 0:
             return []
-        drafts = propose_ngram(
-            request.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min
-        )
+        if spec.uses_draft_model:
+            drafts = self._draft_proposals.get(request.request_id)
+            if drafts is None:
+                return []
+            drafts = drafts[:room]
+        else:
+            drafts = propose_ngram(
+                request.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min
+            )
         if not drafts:
             self._adapt(request, 0, 0)
         return drafts

@@ -182,6 +182,10 @@ async def stats_to_pb(
         msg.num_spec_accepted_tokens = spec.num_accepted_tokens
         msg.spec_acceptance_rate = spec.acceptance_rate
         msg.spec_mean_accepted_length = spec.mean_accepted_length
+    if service.drafts is not None:
+        msg.num_draft_calls = service.drafts.counters.num_calls
+        msg.num_draft_failures = service.drafts.counters.num_failures
+        msg.draft_problem = service.drafts.problem or ""
     if service.counters.num_steps:
         msg.mean_schedule_us = 1e6 * service.counters.schedule_s / service.counters.num_steps
     for request_id in core.running:

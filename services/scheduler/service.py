@@ -40,6 +40,7 @@ from services.common.pb import plan_to_pb, result_from_report
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.drafts import DraftClient
 from services.scheduler.ownership import Tombstones, is_owner
 from services.scheduler.pipeline import (
     Pipeline,
@@ -129,6 +130,8 @@ class SchedulerService:
         """Set by the loop while paused once nothing is in flight (WAIT: nothing runs)."""
         self._weights_problem: str | None = None
         """Why the stages cannot serve together (they hold different weights), or None."""
+        self.drafts: DraftClient | None = None
+        """The draft worker's client (a "draft_model" speculative config), or None."""
 
     @property
     def inflight(self) -> int:
@@ -146,6 +149,12 @@ class SchedulerService:
         self.info = await self.pipeline.wait_ready()
         self._check_stage_weights(self.info.weight_versions)
         self.config = config = self.config.resolved(self.info)
+        spec = config.speculative
+        if spec is not None and spec.uses_draft_model:
+            security = getattr(self.pipeline, "security", None)
+            self.drafts = DraftClient(
+                config.draft_worker, self.info.vocab_size, spec.draft_timeout_s, security
+            )
         self.scheduler = await self._recover_state(config)
         now = time.monotonic()
         for request_id in self.scheduler.requests:  # recovered: their routers must Resume
@@ -188,6 +197,8 @@ class SchedulerService:
                 await asyncio.gather(task, return_exceptions=True)
         if self.observer is not None:
             self.observer.close()
+        if self.drafts is not None:
+            await self.drafts.close()
         await self.pipeline.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -435,8 +446,13 @@ class SchedulerService:
         while self._inflight < max_inflight and scheduler.has_unfinished:
             if observer is not None:
                 observer.begin_step(scheduler.next_step_id)
+            proposals = None
+            if self.drafts is not None:  # never fails: no answer in time means no proposals
+                candidates = scheduler.draft_candidates()
+                if candidates:
+                    proposals = await self.drafts.propose(candidates, scheduler.requests)
             t0 = time.perf_counter()
-            plan = scheduler.schedule()
+            plan = scheduler.schedule(proposals)
             self.counters.schedule_s += time.perf_counter() - t0
             if not plan.num_requests and not plan.finished_request_ids:
                 if scheduler.skip_to_next_ready():

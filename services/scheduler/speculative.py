@@ -1,8 +1,9 @@
 """Speculative decoding, the scheduler's part: the config, the n-gram proposer, adaptivity.
 
-The scheduler proposes up to k tokens per decoding request from the request's own token
-log (prompt lookup): the stages compute them beside the decode input and the last stage
-keeps the prefix it would have sampled itself (docs/speculative-decoding.md).
+The scheduler proposes up to k tokens per decoding request, from the request's own token
+log (prompt lookup) or from a draft model (services/scheduler/drafts.py asks the draft
+worker): the stages compute them beside the decode input and the last stage keeps the
+prefix it would have sampled itself (docs/speculative-decoding.md).
 
     log:   … a b c d e f … x a b c        suffix "a b c" (n = prompt_lookup_max … min)
                  └─┬─┘ └─┬─┘               found earlier: propose what followed, "d e f"
@@ -19,6 +20,7 @@ from services.common.errors import ConfigError
 MAX_NUM_SPECULATIVE_TOKENS = 16
 """Largest k accepted: more proposed tokens than this are almost never all accepted."""
 MAX_PROMPT_LOOKUP = 32
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
@@ -26,7 +28,11 @@ class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON keys): how many tokens to propose and how."""
 
     method: str = "ngram"
-    """The proposer: "ngram" (prompt lookup) is the only one built."""
+    """The proposer: "ngram" (prompt lookup) or "draft_model" (greedy tokens of `model`,
+    run by a draft worker); a config with `model` and no method is "draft_model"."""
+    model: str | None = None
+    """The draft model's directory ("draft_model" only); it must share the target's
+    vocabulary (tokenizer)."""
     num_speculative_tokens: int = 4
     """k: most tokens proposed per step, in [1, 16]."""
     prompt_lookup_max: int = 4
@@ -36,12 +42,34 @@ class SpeculativeConfig:
     probe_interval: int = 16
     """Output tokens a request decodes without speculation once its k fell to 0, before it
     tries again with k = 1."""
+    draft_timeout_s: float = 1.0
+    """"draft_model": how long a step waits for the draft worker's proposals; a step whose
+    call fails or times out runs without, and the next call waits `draft_timeout_s` x 5."""
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ConfigError(
-                f'--speculative-config: method={self.method!r} is not built; use "ngram" '
-                "(a draft model proposer is not available yet)"
+                f"--speculative-config: method={self.method!r} is not one of {list(METHODS)}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError(
+                '--speculative-config: method "draft_model" needs "model": the draft '
+                "model's directory"
+            )
+        if self.method == "ngram" and self.model:
+            raise ConfigError(
+                '--speculative-config: "model" is for method "draft_model" (the n-gram '
+                "proposer runs no model)"
+            )
+        timeout = self.draft_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= 60
+        ):
+            raise ConfigError(
+                f"--speculative-config: draft_timeout_s={timeout!r} is out of range: seconds "
+                "in (0, 60]"
             )
         _in_range(
             "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_NUM_SPECULATIVE_TOKENS
@@ -63,10 +91,7 @@ class SpeculativeConfig:
                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
             )
         if "model" in values and "method" not in values:
-            raise ConfigError(
-                "--speculative-config: a draft model proposer is not available yet; use "
-                '"method": "ngram"'
-            )
+            values["method"] = "draft_model"  # vLLM's form: {"model": DIR, ...}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -74,6 +99,10 @@ class SpeculativeConfig:
                 f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}"
             )
         return cls(**values)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})

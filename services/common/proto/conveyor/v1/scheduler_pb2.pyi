@@ -186,7 +186,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "speculative_config", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
+    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "speculative_config", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length", "num_draft_calls", "num_draft_failures", "draft_problem")
     class RequestBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,9 @@ class SchedulerStats(_message.Message):
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preempted_total: int
@@ -260,7 +263,10 @@ class SchedulerStats(_message.Message):
     num_spec_accepted_tokens: int
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., speculative_config: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    num_draft_calls: int
+    num_draft_failures: int
+    draft_problem: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., speculative_config: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., num_draft_calls: _Optional[int] = ..., num_draft_failures: _Optional[int] = ..., draft_problem: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "submit", "resume", "abort", "cancel", "traceparent")

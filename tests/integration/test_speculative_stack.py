@@ -1,8 +1,9 @@
 """Speculative decoding on SmolLM2 through real worker processes, gloo, gRPC and Redis.
 
-`conveyor scheduler --speculative-config` (n-gram) over 2 stages: greedy tokens equal
-Hugging Face's (as without speculation), proposals were made and accepted, GetStats reports
-them, and every KV block is free at the end.
+`conveyor scheduler --speculative-config` (n-gram, and SmolLM2 as its own draft model in a
+`conveyor worker --draft` process) over 2 stages: greedy tokens equal Hugging Face's (as
+without speculation), proposals were made and accepted, GetStats reports them, and every KV
+block is free at the end. A draft worker killed between two batches stops nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 
 import pytest
 
-from tests.integration.utils import ProcessStack
+from services.common.redis_server import free_port
+from services.launcher import wait_serving
+from tests.integration.utils import ProcessStack, _kill, _spawn
 from tests.worker.utils import compare_greedy
 
 pytestmark = pytest.mark.slow
@@ -46,3 +49,47 @@ def test_speculative_stack_greedy_equals_transformers(
     assert 0 < stats.spec_acceptance_rate <= 1
     assert stats.spec_mean_accepted_length > 1
     assert stats.kv_usage == 0.0, "blocks still held after every request ended"
+
+
+def _check_greedy(outcomes, ref_tokens, ref_logits, num_new: int) -> None:
+    flips = []
+    for i, outcome in enumerate(outcomes):
+        assert len(outcome.token_ids) == num_new
+        matched = compare_greedy(outcome.token_ids, ref_tokens[i], ref_logits[i], TIE_MARGIN)
+        if matched < num_new:
+            flips.append((i, matched))
+    assert len(flips) <= 2, f"too many near-tie flips: {flips}"
+
+
+def test_draft_model_stack_greedy_equals_transformers_and_survives_the_draft_worker(
+    smollm2_dir, smollm2_prompts, smollm2_reference
+):
+    """SmolLM2 drafts for itself: greedy acceptance is (nearly) total, an upper bound."""
+    ref_tokens, ref_logits = smollm2_reference
+    port = free_port()
+    draft = _spawn(
+        ["worker", "--draft", "--model", str(smollm2_dir), "--port", str(port)]
+        + ["--kv-cache-memory", "64MiB", "--threads", "1", "--max-model-len", "1024"]
+    )
+    spec = json.dumps({"model": str(smollm2_dir), "num_speculative_tokens": 4})
+    args = ["--speculative-config", spec, "--draft-worker", f"127.0.0.1:{port}"]
+    stack = ProcessStack(smollm2_dir, 2, "async", scheduler_args=args)
+    try:
+        wait_serving(f"127.0.0.1:{port}", 180, draft)
+        stack.start()
+        greedy = [dict(max_tokens=16, ignore_eos=True)] * len(smollm2_prompts)
+        outcomes = stack.generate_many(smollm2_prompts, greedy)
+        stats = stack.stats()
+        _kill(draft)  # the draft worker dies: the next batch runs without proposals
+        again = stack.generate_many(smollm2_prompts, greedy)
+        after = stack.stats()
+    finally:
+        _kill(draft)
+        stack.stop()
+    _check_greedy(outcomes, ref_tokens, ref_logits, 16)
+    _check_greedy(again, ref_tokens, ref_logits, 16)
+    assert stats.num_draft_calls > 0 and stats.num_draft_failures == 0
+    assert stats.spec_acceptance_rate > 0.9, stats
+    assert stats.spec_mean_accepted_length > 3
+    assert after.num_draft_failures > 0 and after.draft_problem
+    assert after.kv_usage == 0.0, "blocks still held after every request ended"

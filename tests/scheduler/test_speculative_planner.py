@@ -52,8 +52,8 @@ def test_speculative_config_parses_vllm_json_and_names_bad_values():
     bad = {
         "{": "not valid JSON",
         "[1]": "must be a JSON object",
-        '{"method": "eagle"}': "method='eagle' is not built",
-        '{"model": "/models/draft"}': "draft model",
+        '{"method": "eagle"}': "method='eagle' is not one of ['ngram', 'draft_model']",
+        '{"method": "draft_model"}': 'needs "model"',
         '{"num_speculative_tokens": 0}': "num_speculative_tokens=0 is out of range",
         '{"num_speculative_tokens": true}': "num_speculative_tokens=True",
         '{"prompt_lookup_max": 2, "prompt_lookup_min": 3}': "prompt_lookup_min=3",

@@ -348,3 +348,35 @@ def test_speculative_config_flag_of_up_and_scheduler_names_the_mistake(capsys):
         cli.build_config(args)
     args = scheduler.parse_args(["--workers", "w:1", "--speculative-config", '{"method": "ngram"}'])
     assert cli.build_config(args).speculative == SpeculativeConfig()
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_draft_model_candidates_and_proposals(scheduling):
+    """The planner names the requests it may speculate for (tokens all known), takes the
+    draft worker's tokens for them up to what they can keep, and a request the draft worker
+    did not answer for proposes nothing and keeps its k."""
+    draft = SpeculativeConfig(method="draft_model", model="/draft", num_speculative_tokens=4)
+    config = make_config(
+        scheduling=scheduling, num_stages=1, speculative=draft, draft_worker="127.0.0.1:1"
+    )
+    scheduler = Scheduler(config)
+    near_end = make_request("near-end", max_tokens=3, ignore_eos=True)
+    requests = [make_request("a", max_tokens=20, ignore_eos=True), near_end]
+    for request in requests:
+        scheduler.add_request(request)
+    workers = SpecWorkers({r.request_id: r for r in requests}, config.is_async, config.block_size)
+    prefill = scheduler.schedule()
+    assert scheduler.draft_candidates() == [], "no candidate before its first token is known"
+    scheduler.process_result(workers.run(prefill))
+    candidates = {r.request_id: room for r, room in scheduler.draft_candidates()}
+    assert candidates == {"a": 4, "near-end": 1}  # k, and max_tokens - outputs - 1
+    step = scheduler.schedule({"a": [7, 8, 9, 10, 11], "near-end": [5, 6]})
+    entries = {e.request_id: e for e in step.cached_requests}
+    assert entries["a"].spec_token_ids == [7, 8, 9, 10]
+    assert entries["near-end"].spec_token_ids == [5]
+    assert scheduler.draft_candidates() == [], "a speculative step of theirs is in flight"
+    scheduler.process_result(workers.run(step))
+    k = requests[0].num_spec_tokens
+    step = scheduler.schedule({})  # the draft worker did not answer
+    assert [e.spec_token_ids for e in step.cached_requests] == [[]] * len(step.cached_requests)
+    assert requests[0].num_spec_tokens == k

@@ -97,7 +97,7 @@ class DraftClient:
                 self.counters.num_resent += len(unknown)
                 again = [(r, k) for r, k in candidates if r.request_id in unknown]
                 proposals.update((await self._call(again, [], deadline))[0])
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the draft worker never fails a step
             self._failed(exc)
             return {}
         if self.problem is not None:
@@ -163,8 +163,12 @@ class DraftClient:
             if exc.code() is grpc.StatusCode.UNAVAILABLE:
                 self._is_checked = False  # maybe restarted: check its model again
             reason = f"{exc.code().name}: {exc.details()}"
-        else:
+        elif isinstance(exc, asyncio.TimeoutError):
             reason = f"no answer within {self.timeout_s:g} s ({exc or 'timeout'})"
+        else:  # a bug: say where, once per failure streak
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.problem is None:
+                logger.error("draft proposals failed", exc_info=exc)
         if self.problem is None:
             logger.warning(
                 "draft worker at %s: %s; steps run without its proposals", self.address, reason

@@ -105,6 +105,10 @@ class QuantLinear(nn.Module):
         # The int8 CPU kernel wants scales in the activation dtype: exact, see quantize_int8.
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        # int8 on a CPU with AMX-INT8: a second copy of q in AMX's tile layout, for batches
+        # of 16 rows on (as many bytes again as q; None elsewhere).
+        packed = cpu_ops.int8_pack_amx(q) if method == "int8" else None
+        self.register_buffer("qweight_amx", packed, persistent=False)
 
     @property
     def num_bytes(self) -> int:
@@ -118,7 +122,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.method == "int8" and self.small_batch and cpu_ops.serves(x, self.qweight):
-            out = cpu_ops.small_linear(x, self.qweight, self.scale)
+            out = cpu_ops.small_linear(x, self.qweight, self.scale, packed=self.qweight_amx)
         elif self.method == "int8" and x.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.qweight, self.scale_bf16

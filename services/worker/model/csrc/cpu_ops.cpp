@@ -33,6 +33,12 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+#endif
+
 namespace {
 
 constexpr int64_t kMaxRows = 4;
@@ -123,13 +129,38 @@ bool has_avx2() {
   return supported;
 }
 
+// AMX-INT8 (Sapphire Rapids on): the CPU says so in CPUID (leaf 7: EDX bit 24 AMX-TILE,
+// bit 25 AMX-INT8) and Linux lends the tile registers' state to a process that asks for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process: without that the
+// first tile instruction faults.
+#if defined(__linux__) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define CONVEYOR_AMX 1
+#endif
+
+bool has_amx() {
+#ifdef CONVEYOR_AMX
+  static const bool supported = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!has_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
+
 // The instruction sets this CPU runs the int8 dot with, best first; `int8_isa` is the one
-// used (the best, unless `use_int8_isa` picked another: the tests compare them).
-enum class Isa { kVnni, kAvx2, kScalar };
-constexpr const char* kIsaNames[] = {"avx512_vnni", "avx2", "scalar"};
+// used (the best, unless `use_int8_isa` picked another: the tests compare them). "amx" is
+// AVX512-VNNI for batches under kAmxMinRows rows and for weights without an AMX copy.
+enum class Isa { kAmx, kVnni, kAvx2, kScalar };
+constexpr const char* kIsaNames[] = {"amx", "avx512_vnni", "avx2", "scalar"};
 
 std::vector<Isa> int8_isas() {
   std::vector<Isa> isas;
+  if (has_amx()) isas.push_back(Isa::kAmx);
   if (has_vnni()) isas.push_back(Isa::kVnni);
   if (has_avx2()) isas.push_back(Isa::kAvx2);
   isas.push_back(Isa::kScalar);
@@ -257,6 +288,7 @@ __attribute__((target("avx2"))) void tile_avx2(const int16_t* xq, const W* w, in
 template <typename W, int RX, int RW>
 void tile(const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
   switch (int8_isa()) {
+    case Isa::kAmx:  // batches too small for AMX tiles
     case Isa::kVnni: return tile_vnni<W, RX, RW>(xq, w, K, sums);
     case Isa::kAvx2: return tile_avx2<W, RX, RW>(xq, w, K, sums);
     default: return tile_scalar<W, RX, RW>(xq, w, K, sums);
@@ -284,6 +316,19 @@ void any_tile(int64_t rx, int64_t rw, const int16_t* xq, const W* w, int64_t K, 
   }
 }
 
+// out[i, j] = sums[i, j] * x_scale[i] * scale[j] + bias[j] for a block of rx x rw outputs:
+// one function for every path (not inlined, not vectorized), so that -ffast-math contracts
+// and orders this float arithmetic the same way whichever path summed the integers.
+__attribute__((noinline, optimize("no-tree-vectorize"))) void store_rows(
+    int64_t rx, int64_t rw, const int64_t* sums, int64_t ld, const float* x_scale,
+    const float* scale, const float* bias, float* out, int64_t N) {
+  for (int64_t i = 0; i < rx; ++i)
+    for (int64_t j = 0; j < rw; ++j) {
+      const float s = scale ? scale[j] : 1.f, b = bias ? bias[j] : 0.f;
+      out[i * N + j] = static_cast<float>(sums[i * ld + j]) * x_scale[i] * s + b;
+    }
+}
+
 // out[r, n] for weight rows [begin, end) and every row r of x, kTileW weight rows at a time
 // (independent accumulators, so the dot's latency overlaps): a decode step (M <= kTileX)
 // dots the int8 rows as they stream in; a bigger batch widens the weight rows to int16 once
@@ -303,17 +348,116 @@ void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t*
         any_tile(rx, rw, xq + r * K, w16.data(), K, sums);
       else
         any_tile(rx, rw, xq + r * K, w + n * K, K, sums);
-      for (int64_t i = 0; i < rx; ++i)
-        for (int64_t j = 0; j < rw; ++j) {
-          const float s = scale ? scale[n + j] : 1.f, b = bias ? bias[n + j] : 0.f;
-          out[(r + i) * N + n + j] = static_cast<float>(sums[i * rw + j]) * x_scale[r + i] * s + b;
-        }
+      store_rows(rx, rw, sums, rw, x_scale + r, scale ? scale + n : nullptr,
+                 bias ? bias + n : nullptr, out + r * N + n, N);
     }
   }
 }
 
-void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
-                 float* out, int64_t K, int64_t N) {
+// ---- AMX: the same exact integer dot on the tile unit, for batches of kAmxMinRows rows on.
+// AMX multiplies int8 by int8 (`tdpbssd`) or uint8 by int8 (`tdpbusd`), 16 rows x 16
+// columns x 64 k per instruction, into int32. The activations are int16, so each is split
+// xq = 256 * hi + lo with hi = xq >> 8 in [-128, 127] (signed) and lo = xq & 255 in
+// [0, 255] (unsigned), and xq . w = 256 * (hi . w) + (lo . w): two tile products, summed
+// into int64 per K chunk, the same integers as every other path (and the same floats after,
+// through store_rows). Bounds: an int32 element takes 64 products per k block, each at most
+// 255 * 127 = 32385, so kAmxChunk = 512 blocks (32768 k) keep it under 2^31.
+//
+// The weights are repacked once, at load (`int8_pack_amx`), in the layout a B tile takes
+// (VNNI-4): for output channels [16 nb, 16 nb + 16) and k block kb, 16 rows of 64 bytes,
+// row r holding k = 64 kb + 4 r .. + 3 of each of the 16 channels, 4 bytes per channel.
+// N is padded to a multiple of 32 (a tile step does two such column blocks), K to 64, with
+// zeros: [N32 / 16, K64 / 64, 16, 64] int8, as many bytes as the weight plus the padding.
+constexpr int64_t kAmxMinRows = 16;   // from here on AMX takes the batch (when packed)
+constexpr int64_t kAmxChunk = 512;    // k blocks of 64 per int32 accumulation
+constexpr int64_t kAmxCols = 32;      // output channels per tile step (2 tiles of 16)
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+#ifdef CONVEYOR_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: int32 sums (hi.w0, lo.w0, hi.w1, lo.w1); 4, 5: hi and lo of 16 rows of x;
+// 6, 7: two column blocks of weights. All 16 rows x 64 bytes. A constant in memory: GCC
+// drops the stores into a local one (it does not see that ldtilecfg reads them).
+constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                    {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_configure() {
+  _tile_loadconfig(&kTileConfig);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// sums[16, 32] (row stride kAmxCols) += the dots of 16 rows of x (hi, lo: stride Kp) with
+// the column pair (b0, b1: Kb blocks of 1024 bytes each) over k blocks [kb_begin, kb_end).
+__attribute__((target("amx-tile,amx-int8"))) void amx_dots(const int8_t* hi, const uint8_t* lo,
+                                                           int64_t Kp, const int8_t* b0,
+                                                           const int8_t* b1, int64_t kb_begin,
+                                                           int64_t kb_end, int64_t* sums) {
+  alignas(64) int32_t c[4][16 * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+    _tile_loadd(4, hi + kb * 64, Kp);
+    _tile_loadd(5, lo + kb * 64, Kp);
+    _tile_loadd(6, b0 + kb * 1024, 64);
+    _tile_loadd(7, b1 + kb * 1024, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbusd(1, 5, 6);
+    _tile_dpbssd(2, 4, 7);
+    _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) {
+      sums[i * kAmxCols + j] += 256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
+      sums[i * kAmxCols + 16 + j] +=
+          256 * static_cast<int64_t>(c[2][i * 16 + j]) + c[3][i * 16 + j];
+    }
+}
+#endif
+
+// out for the column pairs [begin, end) (kAmxCols channels each) and all M rows of x.
+void int8_rows_amx(int64_t M, const int8_t* hi, const uint8_t* lo, int64_t Kp,
+                   const float* x_scale, const int8_t* packed, const float* scale,
+                   const float* bias, float* out, int64_t N, int64_t begin, int64_t end) {
+#ifdef CONVEYOR_AMX
+  const int64_t Kb = Kp / 64;
+  int64_t sums[16 * kAmxCols];
+  amx_configure();  // per thread: the tile configuration is thread state
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t n = p * kAmxCols;
+    const int8_t* b0 = packed + 2 * p * Kb * 1024;
+    const int8_t* b1 = b0 + Kb * 1024;
+    for (int64_t r = 0; r < M; r += 16) {
+      std::fill(sums, sums + 16 * kAmxCols, 0);
+      for (int64_t kb = 0; kb < Kb; kb += kAmxChunk)
+        amx_dots(hi + r * Kp, lo + r * Kp, Kp, b0, b1, kb, std::min(Kb, kb + kAmxChunk), sums);
+      store_rows(std::min<int64_t>(16, M - r), std::min(kAmxCols, N - n), sums, kAmxCols,
+                 x_scale + r, scale ? scale + n : nullptr, bias ? bias + n : nullptr,
+                 out + r * N + n, N);
+    }
+  }
+  amx_release();
+#else
+  TORCH_CHECK(false, "int8_rows_amx: built without AMX");
+#endif
+}
+
+void int8_linear(int64_t M, const float* x, const int8_t* w, const int8_t* packed,
+                 const float* scale, const float* bias, float* out, int64_t K, int64_t N) {
   std::vector<int16_t> xq(M * K);
   std::vector<float> x_scale(M);  // amax / 32767 of each row
   for (int64_t r = 0; r < M; ++r) {
@@ -324,6 +468,22 @@ void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale,
       xq[r * K + k] = static_cast<int16_t>(std::nearbyint(x[r * K + k] * inv));
     x_scale[r] = amax / 32767.f;
   }
+  if (packed != nullptr && int8_isa() == Isa::kAmx && M >= kAmxMinRows) {
+    const int64_t Mp = round_up(M, 16), Kp = round_up(K, 64);
+    std::vector<int8_t> hi(Mp * Kp, 0);  // zero padding: adds nothing to the sums
+    std::vector<uint8_t> lo(Mp * Kp, 0);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t k = 0; k < K; ++k) {
+        const int16_t v = xq[r * K + k];
+        hi[r * Kp + k] = static_cast<int8_t>(v >> 8);
+        lo[r * Kp + k] = static_cast<uint8_t>(v & 0xff);
+      }
+    at::parallel_for(0, round_up(N, kAmxCols) / kAmxCols, 1, [&](int64_t begin, int64_t end) {
+      int8_rows_amx(M, hi.data(), lo.data(), Kp, x_scale.data(), packed, scale, bias, out, N,
+                    begin, end);
+    });
+    return;
+  }
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
     int8_rows(M, xq.data(), x_scale.data(), w, scale, bias, out, K, N, begin, end);
   });
@@ -331,9 +491,29 @@ void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale,
 
 }  // namespace
 
+// The AMX copy of int8 weights [N, K] (layout above), or an undefined tensor where this
+// CPU has no AMX-INT8.
+torch::Tensor int8_pack_amx(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && !weight.is_cuda(),
+              "int8_pack_amx: int8 CPU weights [N, K] expected");
+  if (!has_amx()) return {};
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kb = round_up(K, 64) / 64;
+  auto packed = torch::zeros({round_up(N, kAmxCols) / 16, Kb, 16, 64}, w.options());
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k)  // block (n / 16, k / 64), row k % 64 / 4, byte 4 c + k % 4
+        dst[((n / 16 * Kb + k / 64) * 16 + k % 64 / 4) * 64 + n % 16 * 4 + k % 4] = src[n * K + k];
+  });
+  return packed;
+}
+
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
                            const c10::optional<torch::Tensor>& scale,
-                           const c10::optional<torch::Tensor>& bias) {
+                           const c10::optional<torch::Tensor>& bias,
+                           const c10::optional<torch::Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
   const bool int8 = weight.scalar_type() == at::kChar;
@@ -367,9 +547,17 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     case at::kBFloat16:
       run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
       break;
-    case at::kChar:
-      int8_linear(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
+    case at::kChar: {
+      const int8_t* packed_ptr = nullptr;
+      if (packed.has_value() && packed->defined()) {
+        TORCH_CHECK(packed->scalar_type() == at::kChar && packed->is_contiguous() &&
+                        packed->numel() == round_up(N, kAmxCols) * round_up(K, 64),
+                    "small_linear: packed must be int8_pack_amx(weight)");
+        packed_ptr = packed->data_ptr<int8_t>();
+      }
+      int8_linear(M, xp, weight.data_ptr<int8_t>(), packed_ptr, scale_ptr, bias_ptr, op, K, N);
       break;
+    }
     default:
       TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
                   weight.scalar_type());
@@ -664,7 +852,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "at slot_mapping; returns q [T, Hq, D]");
   m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("packed") = py::none());
+  m.def("int8_pack_amx", &int8_pack_amx,
+        "the AMX (VNNI-4) copy of int8 weights [N, K] for small_linear's packed; None "
+        "without AMX-INT8");
   m.attr("max_rows") = kMaxRows;
   m.def("int8_isas", &int8_isa_names, "instruction sets of the int8 dot on this CPU, best first");
   m.def("use_int8_isa", &use_int8_isa, "run the int8 dot with this one (tests compare them)");

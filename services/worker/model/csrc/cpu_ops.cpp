@@ -316,25 +316,29 @@ void any_tile(int64_t rx, int64_t rw, const int16_t* xq, const W* w, int64_t K, 
   }
 }
 
-// out[i, j] = sums[i, j] * x_scale[i] * scale[j] + bias[j] for a block of rx x rw outputs:
-// one function for every path (not inlined, not vectorized), so that -ffast-math contracts
-// and orders this float arithmetic the same way whichever path summed the integers.
-__attribute__((noinline, optimize("no-tree-vectorize"))) void store_rows(
-    int64_t rx, int64_t rw, const int64_t* sums, int64_t ld, const float* x_scale,
-    const float* scale, const float* bias, float* out, int64_t N) {
-  for (int64_t i = 0; i < rx; ++i)
-    for (int64_t j = 0; j < rw; ++j) {
-      const float s = scale ? scale[j] : 1.f, b = bias ? bias[j] : 0.f;
-      out[i * N + j] = static_cast<float>(sums[i * ld + j]) * x_scale[i] * s + b;
-    }
+// out[i, j] = sums[i, j] * x_scale[i] * scale[j] + bias[j] for a block of rx x rw outputs,
+// rounded to T (float or bfloat16, x's dtype): one function for every path (not inlined),
+// the multiply-add written as an fma, so that -ffast-math cannot contract this float
+// arithmetic differently for different paths.
+template <typename T>
+__attribute__((noinline)) void store_rows(int64_t rx, int64_t rw, const int64_t* sums,
+                                          int64_t ld, const float* x_scale, const float* scale,
+                                          const float* bias, T* out, int64_t N) {
+  for (int64_t i = 0; i < rx; ++i) {
+    const float xs = x_scale[i];
+    for (int64_t j = 0; j < rw; ++j)
+      out[i * N + j] = static_cast<T>(std::fma(static_cast<float>(sums[i * ld + j]) * xs,
+                                               scale ? scale[j] : 1.f, bias ? bias[j] : 0.f));
+  }
 }
 
 // out[r, n] for weight rows [begin, end) and every row r of x, kTileW weight rows at a time
 // (independent accumulators, so the dot's latency overlaps): a decode step (M <= kTileX)
 // dots the int8 rows as they stream in; a bigger batch widens the weight rows to int16 once
 // and tiles the rows of x against them.
+template <typename T>
 void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* w,
-               const float* scale, const float* bias, float* out, int64_t K, int64_t N,
+               const float* scale, const float* bias, T* out, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
   std::vector<int16_t> w16(M > kTileX ? kTileW * K : 0);
   int64_t sums[kTileX * kTileW];
@@ -363,14 +367,18 @@ void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t*
 // through store_rows). Bounds: an int32 element takes 64 products per k block, each at most
 // 255 * 127 = 32385, so kAmxChunk = 512 blocks (32768 k) keep it under 2^31.
 //
-// The weights are repacked once, at load (`int8_pack_amx`), in the layout a B tile takes
-// (VNNI-4): for output channels [16 nb, 16 nb + 16) and k block kb, 16 rows of 64 bytes,
-// row r holding k = 64 kb + 4 r .. + 3 of each of the 16 channels, 4 bytes per channel.
-// N is padded to a multiple of 32 (a tile step does two such column blocks), K to 64, with
-// zeros: [N32 / 16, K64 / 64, 16, 64] int8, as many bytes as the weight plus the padding.
+// Both operands are laid out so that each tile is 1 KiB of contiguous bytes, and the tiles
+// one k step reads sit side by side (2 KiB of x, 2 KiB of weights), which the hardware
+// prefetchers follow. The weights are repacked once, at load (`int8_pack_amx`), in the
+// layout a B tile takes (VNNI-4): output channels [16 nb, 16 nb + 16) at k block kb are
+// 16 rows of 64 bytes, row r holding k = 64 kb + 4 r .. + 3 of each channel, 4 bytes per
+// channel; the two blocks of a pair of them (2 p, 2 p + 1) sit together per kb:
+// [N32 / 32, K64 / 64, 2, 16, 64] int8 (N padded to 32 and K to 64 with zeros: as many
+// bytes as the weight plus the padding). x per call: [M16 / 16, K64 / 64, (hi, lo), 16, 64].
 constexpr int64_t kAmxMinRows = 16;   // from here on AMX takes the batch (when packed)
 constexpr int64_t kAmxChunk = 512;    // k blocks of 64 per int32 accumulation
 constexpr int64_t kAmxCols = 32;      // output channels per tile step (2 tiles of 16)
+constexpr int64_t kAmxRowChunk = 64;  // rows of x per pass over the weights
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -395,92 +403,96 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_configure() {
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
-// sums[16, 32] (row stride kAmxCols) += the dots of 16 rows of x (hi, lo: stride Kp) with
-// the column pair (b0, b1: Kb blocks of 1024 bytes each) over k blocks [kb_begin, kb_end).
-__attribute__((target("amx-tile,amx-int8"))) void amx_dots(const int8_t* hi, const uint8_t* lo,
-                                                           int64_t Kp, const int8_t* b0,
-                                                           const int8_t* b1, int64_t kb_begin,
-                                                           int64_t kb_end, int64_t* sums) {
+// sums[16, 32] (row stride kAmxCols) = the dots of 16 rows of x (a: their Kb k blocks of
+// hi and lo) with a pair of column blocks (b: their Kb k blocks), one k chunk at a time.
+__attribute__((target("amx-tile,amx-int8"))) void amx_dots(const uint8_t* a, const int8_t* b,
+                                                           int64_t Kb, int64_t* sums) {
   alignas(64) int32_t c[4][16 * 16];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-    _tile_loadd(4, hi + kb * 64, Kp);
-    _tile_loadd(5, lo + kb * 64, Kp);
-    _tile_loadd(6, b0 + kb * 1024, 64);
-    _tile_loadd(7, b1 + kb * 1024, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbusd(1, 5, 6);
-    _tile_dpbssd(2, 4, 7);
-    _tile_dpbusd(3, 5, 7);
-  }
-  _tile_stored(0, c[0], 64);
-  _tile_stored(1, c[1], 64);
-  _tile_stored(2, c[2], 64);
-  _tile_stored(3, c[3], 64);
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 16; ++j) {
-      sums[i * kAmxCols + j] += 256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
-      sums[i * kAmxCols + 16 + j] +=
-          256 * static_cast<int64_t>(c[2][i * 16 + j]) + c[3][i * 16 + j];
+  std::fill(sums, sums + 16 * kAmxCols, 0);
+  for (int64_t begin = 0; begin < Kb; begin += kAmxChunk) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = begin; kb < std::min(Kb, begin + kAmxChunk); ++kb) {
+      _tile_loadd(4, a + kb * 2048, 64);         // hi
+      _tile_loadd(5, a + kb * 2048 + 1024, 64);  // lo
+      _tile_loadd(6, b + kb * 2048, 64);
+      _tile_loadd(7, b + kb * 2048 + 1024, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbusd(1, 5, 6);
+      _tile_dpbssd(2, 4, 7);
+      _tile_dpbusd(3, 5, 7);
     }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        sums[i * kAmxCols + j] += 256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
+        sums[i * kAmxCols + 16 + j] +=
+            256 * static_cast<int64_t>(c[2][i * 16 + j]) + c[3][i * 16 + j];
+      }
+  }
 }
 #endif
 
-// out for the column pairs [begin, end) (kAmxCols channels each) and all M rows of x.
-void int8_rows_amx(int64_t M, const int8_t* hi, const uint8_t* lo, int64_t Kp,
-                   const float* x_scale, const int8_t* packed, const float* scale,
-                   const float* bias, float* out, int64_t N, int64_t begin, int64_t end) {
+// out for the column pairs [begin, end) (kAmxCols channels each) and all M rows of x
+// (xt: laid out as above).
+template <typename T>
+void int8_rows_amx(int64_t M, const uint8_t* xt, int64_t Kb, const float* x_scale,
+                   const int8_t* packed, const float* scale, const float* bias, T* out,
+                   int64_t N, int64_t begin, int64_t end) {
 #ifdef CONVEYOR_AMX
-  const int64_t Kb = Kp / 64;
   int64_t sums[16 * kAmxCols];
   amx_configure();  // per thread: the tile configuration is thread state
-  for (int64_t p = begin; p < end; ++p) {
-    const int64_t n = p * kAmxCols;
-    const int8_t* b0 = packed + 2 * p * Kb * 1024;
-    const int8_t* b1 = b0 + Kb * 1024;
-    for (int64_t r = 0; r < M; r += 16) {
-      std::fill(sums, sums + 16 * kAmxCols, 0);
-      for (int64_t kb = 0; kb < Kb; kb += kAmxChunk)
-        amx_dots(hi + r * Kp, lo + r * Kp, Kp, b0, b1, kb, std::min(Kb, kb + kAmxChunk), sums);
-      store_rows(std::min<int64_t>(16, M - r), std::min(kAmxCols, N - n), sums, kAmxCols,
-                 x_scale + r, scale ? scale + n : nullptr, bias ? bias + n : nullptr,
-                 out + r * N + n, N);
+  for (int64_t rows = 0; rows < M; rows += kAmxRowChunk)  // x's chunk stays in cache
+    for (int64_t p = begin; p < end; ++p) {  // and the pair's weights over the chunk
+      const int64_t n = p * kAmxCols;
+      for (int64_t r = rows; r < std::min(M, rows + kAmxRowChunk); r += 16) {
+        amx_dots(xt + r / 16 * Kb * 2048, packed + p * Kb * 2048, Kb, sums);
+        store_rows(std::min<int64_t>(16, M - r), std::min(kAmxCols, N - n), sums, kAmxCols,
+                   x_scale + r, scale ? scale + n : nullptr, bias ? bias + n : nullptr,
+                   out + r * N + n, N);
+      }
     }
-  }
   amx_release();
 #else
   TORCH_CHECK(false, "int8_rows_amx: built without AMX");
 #endif
 }
 
-void int8_linear(int64_t M, const float* x, const int8_t* w, const int8_t* packed,
-                 const float* scale, const float* bias, float* out, int64_t K, int64_t N) {
-  std::vector<int16_t> xq(M * K);
+// x [M, K] and out [M, N] in T (float or bfloat16: read and written directly, no casts).
+template <typename T>
+void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
+                 const float* scale, const float* bias, T* out, int64_t K, int64_t N) {
+  const bool amx = packed != nullptr && int8_isa() == Isa::kAmx && M >= kAmxMinRows;
+  const int64_t Kp = round_up(K, 64);
+  std::vector<int16_t> xq(amx ? 0 : M * K);
+  std::vector<uint8_t> xt(amx ? round_up(M, 16) * Kp * 2 : 0);  // AMX: zero padding adds nothing
   std::vector<float> x_scale(M);  // amax / 32767 of each row
-  for (int64_t r = 0; r < M; ++r) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[r * K + k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k)
-      xq[r * K + k] = static_cast<int16_t>(std::nearbyint(x[r * K + k] * inv));
-    x_scale[r] = amax / 32767.f;
-  }
-  if (packed != nullptr && int8_isa() == Isa::kAmx && M >= kAmxMinRows) {
-    const int64_t Mp = round_up(M, 16), Kp = round_up(K, 64);
-    std::vector<int8_t> hi(Mp * Kp, 0);  // zero padding: adds nothing to the sums
-    std::vector<uint8_t> lo(Mp * Kp, 0);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t k = 0; k < K; ++k) {
-        const int16_t v = xq[r * K + k];
-        hi[r * Kp + k] = static_cast<int8_t>(v >> 8);
-        lo[r * Kp + k] = static_cast<uint8_t>(v & 0xff);
-      }
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> row(K);
+    for (int64_t r = begin; r < end; ++r) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(static_cast<float>(x[r * K + k])));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* q = amx ? row.data() : xq.data() + r * K;
+      for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[r * K + k]) * inv));
+      x_scale[r] = amax / 32767.f;
+      if (amx)  // row r % 16 of the hi and lo tiles of each k block
+        for (int64_t k = 0; k < K; ++k) {
+          uint8_t* tiles = xt.data() + ((r / 16 * (Kp / 64) + k / 64) * 2048) + r % 16 * 64 + k % 64;
+          tiles[0] = static_cast<uint8_t>(q[k] >> 8);
+          tiles[1024] = static_cast<uint8_t>(q[k] & 0xff);
+        }
+    }
+  });
+  if (amx) {
     at::parallel_for(0, round_up(N, kAmxCols) / kAmxCols, 1, [&](int64_t begin, int64_t end) {
-      int8_rows_amx(M, hi.data(), lo.data(), Kp, x_scale.data(), packed, scale, bias, out, N,
-                    begin, end);
+      int8_rows_amx(M, xt.data(), Kp / 64, x_scale.data(), packed, scale, bias, out, N, begin,
+                    end);
     });
     return;
   }
@@ -499,13 +511,14 @@ torch::Tensor int8_pack_amx(const torch::Tensor& weight) {
   if (!has_amx()) return {};
   const torch::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), Kb = round_up(K, 64) / 64;
-  auto packed = torch::zeros({round_up(N, kAmxCols) / 16, Kb, 16, 64}, w.options());
+  auto packed = torch::zeros({round_up(N, kAmxCols) / 32, Kb, 2, 16, 64}, w.options());
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < K; ++k)  // block (n / 16, k / 64), row k % 64 / 4, byte 4 c + k % 4
-        dst[((n / 16 * Kb + k / 64) * 16 + k % 64 / 4) * 64 + n % 16 * 4 + k % 4] = src[n * K + k];
+      for (int64_t k = 0; k < K; ++k)  // pair n / 32, block k / 64, half n / 16 % 2, row k % 64
+        dst[(((n / 32 * Kb + k / 64) * 2 + n / 16 % 2) * 16 + k % 64 / 4) * 64 +  // / 4, byte
+            n % 16 * 4 + k % 4] = src[n * K + k];                                 // 4 c + k % 4
   });
   return packed;
 }
@@ -526,7 +539,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const float* scale_ptr = nullptr;
   const float* bias_ptr = nullptr;
   // casts here rather than in Python: each costs a dispatch there, per matmul
-  torch::Tensor scale_f, bias_f, x_f = x.to(at::kFloat).contiguous();
+  torch::Tensor scale_f, bias_f;
   if (scale.has_value() && scale->defined()) {
     scale_f = scale->to(at::kFloat).contiguous();
     TORCH_CHECK(scale_f.numel() == N, "small_linear: scale must be [N]");
@@ -537,6 +550,25 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     TORCH_CHECK(bias_f.numel() == N, "small_linear: bias must be [N]");
     bias_ptr = bias_f.data_ptr<float>();
   }
+  if (int8) {  // x and out in x's dtype
+    const int8_t* packed_ptr = nullptr;
+    if (packed.has_value() && packed->defined()) {
+      TORCH_CHECK(packed->scalar_type() == at::kChar && packed->is_contiguous() &&
+                      packed->numel() == round_up(N, kAmxCols) * round_up(K, 64),
+                  "small_linear: packed must be int8_pack_amx(weight)");
+      packed_ptr = packed->data_ptr<int8_t>();
+    }
+    const torch::Tensor xc = x.contiguous();
+    auto out = torch::empty({M, N}, xc.options());
+    if (x.scalar_type() == at::kFloat)
+      int8_linear(M, xc.data_ptr<float>(), weight.data_ptr<int8_t>(), packed_ptr, scale_ptr,
+                  bias_ptr, out.data_ptr<float>(), K, N);
+    else
+      int8_linear(M, xc.data_ptr<at::BFloat16>(), weight.data_ptr<int8_t>(), packed_ptr,
+                  scale_ptr, bias_ptr, out.data_ptr<at::BFloat16>(), K, N);
+    return out;
+  }
+  const torch::Tensor x_f = x.to(at::kFloat).contiguous();
   auto out = torch::empty({M, N}, x_f.options());
   const float* xp = x_f.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -547,17 +579,6 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     case at::kBFloat16:
       run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
       break;
-    case at::kChar: {
-      const int8_t* packed_ptr = nullptr;
-      if (packed.has_value() && packed->defined()) {
-        TORCH_CHECK(packed->scalar_type() == at::kChar && packed->is_contiguous() &&
-                        packed->numel() == round_up(N, kAmxCols) * round_up(K, 64),
-                    "small_linear: packed must be int8_pack_amx(weight)");
-        packed_ptr = packed->data_ptr<int8_t>();
-      }
-      int8_linear(M, xp, weight.data_ptr<int8_t>(), packed_ptr, scale_ptr, bias_ptr, op, K, N);
-      break;
-    }
     default:
       TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
                   weight.scalar_type());

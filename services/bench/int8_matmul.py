@@ -7,7 +7,7 @@ For SmolLM2's gate/up projection (576 -> 3072 by default; `--shape NxK`) and eac
 rows it times, taking turns call by call so that the outside load falls on all alike:
 
 * `int8 <isa>`: `QuantLinear` int8 on `cpu_ops.small_linear` with each instruction set this
-  CPU runs its exact integer dot with (`amx`: AMX tiles from 16 rows on, AVX512-VNNI below;
+  CPU runs its exact integer dot with (`amx`: AMX tiles from 4 rows on, AVX512-VNNI below;
   `avx512_vnni`; `avx2`; all give the same bits);
 * `torch int8`: torch's `_weight_int8pack_mm` (bf16 activations);
 * `bf16`: `F.linear` in bf16 (oneDNN, AMX-BF16 where the CPU has it).

@@ -87,7 +87,7 @@ def small_linear(
 
     Float32 and bfloat16 weights: computed in float32, M <= MAX_ROWS. int8 weights: any M,
     activations rounded to int16 per row, exact integer dots (bit-identical for every batch
-    size and instruction set); `packed` (`int8_pack_amx(weight)`) lets batches of 16 rows
+    size and instruction set); `packed` (`int8_pack_amx(weight)`) lets batches of 4 rows
     and more run them on AMX.
     """
     return load_kernels().small_linear(x, weight, scale, bias, packed)  # casts in C++

@@ -106,7 +106,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         # int8 on a CPU with AMX-INT8: a second copy of q in AMX's tile layout, for batches
-        # of 16 rows on (as many bytes again as q; None elsewhere).
+        # of 4 rows on (as many bytes again as q; None elsewhere).
         packed = cpu_ops.int8_pack_amx(q) if method == "int8" else None
         self.register_buffer("qweight_amx", packed, persistent=False)
 

@@ -375,7 +375,8 @@ void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t*
 // channel; the two blocks of a pair of them (2 p, 2 p + 1) sit together per kb:
 // [N32 / 32, K64 / 64, 2, 16, 64] int8 (N padded to 32 and K to 64 with zeros: as many
 // bytes as the weight plus the padding). x per call: [M16 / 16, K64 / 64, (hi, lo), 16, 64].
-constexpr int64_t kAmxMinRows = 16;   // from here on AMX takes the batch (when packed)
+constexpr int64_t kAmxMinRows = 4;    // AMX from here on (padded to 16 rows, it beat VNNI
+                                      // from 4 rows, tied at 2: docs/performance.md)
 constexpr int64_t kAmxChunk = 512;    // k blocks of 64 per int32 accumulation
 constexpr int64_t kAmxCols = 32;      // output channels per tile step (2 tiles of 16)
 constexpr int64_t kAmxRowChunk = 64;  // rows of x per pass over the weights

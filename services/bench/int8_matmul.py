@@ -4,7 +4,8 @@
         [--threads 2] [--rounds 30]
 
 For SmolLM2's gate/up projection (576 -> 3072 by default; `--shape NxK`) and each number of
-rows it times, taking turns call by call so that the outside load falls on all alike:
+rows it times, taking turns call by call (each round starting with another) so that the outside load falls on all
+alike:
 
 * `int8 <isa>`: `QuantLinear` int8 on `cpu_ops.small_linear` with each instruction set this
   CPU runs its exact integer dot with (`amx`: AMX tiles from 4 rows on, AVX512-VNNI below;
@@ -39,12 +40,14 @@ def main(argv: list[str] | None = None) -> None:
     out_features, in_features = (int(v) for v in args.shape.split("x"))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05
-    layer = QuantLinear("int8", weight, None)
     weight_bf16 = weight.bfloat16()
     kernels = cpu_ops.load_kernels()
     isas = [isa for isa in kernels.int8_isas() if isa != "scalar"]
 
     def with_isa(isa):
+        layer = QuantLinear("int8", weight, None)  # a copy per case: the weights come from
+        # memory in every call (the other cases' copies evicted them), as in a decode step
+
         def call(x):
             kernels.use_int8_isa(isa)
             return layer(x)
@@ -52,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         return call
 
     cases = {f"int8 {isa}": with_isa(isa) for isa in isas}
+    torch_layer = QuantLinear("int8", weight, None)
     cases["torch int8"] = lambda x: torch.ops.aten._weight_int8pack_mm(
-        x, layer.qweight, layer.scale_bf16
+        x, torch_layer.qweight, torch_layer.scale_bf16
     )
     cases["bf16"] = lambda x: F.linear(x, weight_bf16)
     print(f"{out_features}x{in_features}, {args.threads} threads, median us per call")
@@ -62,8 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         for rows in args.rows:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
             times: dict[str, list[float]] = {name: [] for name in cases}
-            for _ in range(args.rounds + 3):
-                for name, call in cases.items():
+            names = list(cases)
+            for round_ in range(args.rounds + 3):  # each round in another order: no case
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                    call = cases[name]  # always runs first, on a cold cache
                     start = time.perf_counter()
                     call(x)
                     times[name].append(time.perf_counter() - start)

@@ -10,8 +10,11 @@ see `default_ignore`). A weight row r is stored as q[r, :] with  w[r, :] ~= q[r,
 
 Matmuls (`QuantLinear.forward`), by what the hardware has:
 
-    int8, CPU   torch's packed int8 weight-only kernel (`_weight_int8pack_mm`, bf16
-                activations: its float32 path is ~10x slower, see docs/performance.md)
+    int8, CPU   the C++ kernel `cpu_ops.small_linear` for every batch size: activations
+                rounded to int16 per row, exact integer dots (AMX from 4 rows on where the
+                CPU has it, over a copy of q repacked at load; AVX512-VNNI, AVX2 or scalar
+                otherwise: the same bits); torch's `_weight_int8pack_mm` (bf16 activations)
+                only where the C++ kernel cannot build
     fp8, CUDA   the Triton kernel kernels/fp8_matmul.py (fp8 tiles widened in registers)
     otherwise   dequantized in the matmul: x @ (q * 1).T, then * scale per column
 

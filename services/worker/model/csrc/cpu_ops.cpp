@@ -11,6 +11,8 @@
 //   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
 //   scale  [N]     or undefined: per-output-channel scale of int8 weights
 //   bias   [N]     or undefined
+//   packed         or undefined: int8_pack_amx(W), the AMX copy of int8 weights (batches of
+//                  kAmxMinRows rows on, where the CPU has AMX-INT8)
 //   returns [M, N] in x's dtype (computed in float32)
 //
 // Why: with one or two rows a decode step is a stream of weight bytes (every weight read

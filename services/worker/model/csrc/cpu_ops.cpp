@@ -433,7 +433,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_dots(const uint8_t* a, con
     _tile_stored(3, c[3], 64);
     for (int i = 0; i < 16; ++i)
       for (int j = 0; j < 16; ++j) {
-        sums[i * kAmxCols + j] += 256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
+        sums[i * kAmxCols + j] +=
+            256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
         sums[i * kAmxCols + 16 + j] +=
             256 * static_cast<int64_t>(c[2][i * 16 + j]) + c[3][i * 16 + j];
       }
@@ -473,20 +474,23 @@ void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
   const bool amx = packed != nullptr && int8_isa() == Isa::kAmx && M >= kAmxMinRows;
   const int64_t Kp = round_up(K, 64);
   std::vector<int16_t> xq(amx ? 0 : M * K);
-  std::vector<uint8_t> xt(amx ? round_up(M, 16) * Kp * 2 : 0);  // AMX: zero padding adds nothing
+  std::vector<uint8_t> xt(amx ? round_up(M, 16) * Kp * 2 : 0);  // zero padding adds nothing
   std::vector<float> x_scale(M);  // amax / 32767 of each row
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     std::vector<int16_t> row(K);
     for (int64_t r = begin; r < end; ++r) {
       float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(static_cast<float>(x[r * K + k])));
+      for (int64_t k = 0; k < K; ++k)
+        amax = std::max(amax, std::abs(static_cast<float>(x[r * K + k])));
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
       int16_t* q = amx ? row.data() : xq.data() + r * K;
-      for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[r * K + k]) * inv));
+      for (int64_t k = 0; k < K; ++k)
+        q[k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[r * K + k]) * inv));
       x_scale[r] = amax / 32767.f;
       if (amx)  // row r % 16 of the hi and lo tiles of each k block
         for (int64_t k = 0; k < K; ++k) {
-          uint8_t* tiles = xt.data() + ((r / 16 * (Kp / 64) + k / 64) * 2048) + r % 16 * 64 + k % 64;
+          uint8_t* tiles =
+              xt.data() + (r / 16 * (Kp / 64) + k / 64) * 2048 + r % 16 * 64 + k % 64;
           tiles[0] = static_cast<uint8_t>(q[k] >> 8);
           tiles[1024] = static_cast<uint8_t>(q[k] & 0xff);
         }

@@ -6,7 +6,9 @@ says why the scheduler streams to all ranks rather than through a stage's rank 0
 serialized once and the same bytes are written to every worker, by one writer task per
 worker: the scheduling loop only queues them (a gRPC write costs ~0.1 ms of CPU awaited in
 turn, so eight stages written one after the other held the loop ~1 ms per plan; concurrent
-writers cost less and never hold it). The queues stay short: at most the steps in flight.
+writers cost less and never hold it). The queues stay short: at most the steps in flight;
+a writer that finds several plans queued sends them as one message (`following`), so a
+busy scheduler pays one write for several plans.
 The last stage's rank 0 reports the sampled tokens; any worker may report an error, and a
 stream that breaks means a worker is gone: the session (the whole pipeline) is over.
 """
@@ -54,6 +56,34 @@ class PipelineBroken(Exception):
         super().__init__(message)
         self.request_ids = request_ids or []
         """The requests of the step a stage failed on (none when a stage is gone)."""
+
+
+_MAX_JOINED = 64
+"""At most this many plans in one message (they are small: ~1 KB at 32 requests)."""
+
+
+def join_plans(first: bytes, outbox: asyncio.Queue[bytes]) -> bytes:
+    """One serialized StepPlan: `first` with the plans queued behind it as its `following`.
+
+    Appending a length-delimited field to a serialized message is how protobuf encodes a
+    repeated field, so the plans are not parsed or encoded again."""
+    parts = [first]
+    while not outbox.empty() and len(parts) < _MAX_JOINED:
+        plan_bytes = outbox.get_nowait()
+        parts += (_FOLLOWING_TAG, _varint(len(plan_bytes)), plan_bytes)
+    return b"".join(parts)
+
+
+_FOLLOWING_TAG = bytes([worker_pb2.StepPlan.FOLLOWING_FIELD_NUMBER << 3 | 2])  # length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class Pipeline:
@@ -217,10 +247,14 @@ class Pipeline:
             self.reports.put_nowait(StageFailure(f"{self._name(index)} is gone: {exc.code().name}"))
 
     async def _write(self, index: int, call, outbox: asyncio.Queue[bytes]) -> None:
-        """Sends worker `index` its plans in order; a failed write ends the session."""
+        """Sends worker `index` its plans in order, the ones queued by the time a write starts
+        in one message; a failed write ends the session."""
         try:
             while True:
-                await call.write(await outbox.get())
+                plan_bytes = await outbox.get()
+                if not outbox.empty():
+                    plan_bytes = join_plans(plan_bytes, outbox)
+                await call.write(plan_bytes)
         except asyncio.CancelledError:
             raise
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:

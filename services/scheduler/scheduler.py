@@ -613,6 +613,12 @@ class Scheduler:
         discarded. Raises `StateStoreError` if the store is down; the writes and deltas are
         kept and go out with the next successful call.
         """
+        self.apply_result(result)
+        return self.outputs.flush()
+
+    def apply_result(self, result: StepResult) -> None:
+        """`process_result` without the flush: the step's writes and deltas stay buffered in
+        `outputs` (the service applies every report that is waiting, then flushes once)."""
         self.check_result(result)
         step_id = result.step_id
         if self._isolated_since is not None and step_id >= self._isolated_since:
@@ -645,7 +651,6 @@ class Scheduler:
                     self.block_manager.cache_full_blocks(
                         request_id, request.token_ids, request.num_computed_tokens
                     )
-        return self.outputs.flush()
 
     def _applies_to(self, request_id: str, step_id: int) -> Request | None:
         """The request a result of `step_id` is for, or None when it is to be discarded

@@ -4,7 +4,8 @@ The loop, on one asyncio task:
 
     dispatch: while fewer than K steps are in flight, plan a step and send it to every stage
     wait:     for the last stage's report, a new request or an abort
-    process:  append tokens (one Redis round trip), stream deltas to subscribers
+    process:  append the tokens of every report waiting, persist them (one Redis round
+              trip), stream deltas to subscribers
 
 In async mode K = 2P: step s+P of a micro-batch is planned and sent before step s has
 reported, so stage 0 finds its next plan waiting and takes the input tokens straight from
@@ -488,13 +489,28 @@ class SchedulerService:
             item = getter.result()
         else:
             item = reports.get_nowait()
+        # Every report waiting is applied, then persisted in one round trip: a scheduler that
+        # falls behind catches up with one Redis write for several steps.
+        broken = None
         while True:
-            self._process(item)
+            try:
+                self._apply(item)
+            except PipelineBroken as exc:
+                broken = exc
+                break
             if reports.empty():
-                return
+                break
             item = reports.get_nowait()
+        if broken is None:
+            self._publish(self.scheduler.outputs.flush())
+            return
+        try:  # the steps that did report keep their tokens
+            self._publish(self.scheduler.outputs.flush())
+        except StateStoreError as exc:  # kept buffered; written with the next step
+            logger.warning("tokens before the pipeline broke not persisted yet: %s", exc)
+        raise broken
 
-    def _process(self, item: StageReport | StageFailure) -> None:
+    def _apply(self, item: StageReport | StageFailure) -> None:
         if isinstance(item, StageFailure):
             raise PipelineBroken(item.message, self._step_requests.get(item.step_id))
         report = item.report
@@ -508,7 +524,7 @@ class SchedulerService:
             self.scheduler.check_result(result)
         except ValueError as exc:  # a stage that sends nonsense is broken: re-form the pipeline
             raise PipelineBroken(f"stage {item.stage} sent a malformed report: {exc}") from exc
-        self._publish(self.scheduler.process_result(result))
+        self.scheduler.apply_result(result)
 
     def _flush_buffered(self) -> None:
         """While the store fails: send what is buffered again (even with no step left to

@@ -216,9 +216,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         observer = self.observer
         try:
             async for msg in request_iterator:
-                if observer is not None:
-                    observer.on_plan(msg)
-                self.engine.submit(plan_from_pb(msg), msg.tokens_from_last_stage)
+                for plan in (msg, *msg.following):  # several plans joined in one message
+                    if plan.following and plan is not msg:
+                        error = f"stage {self.stage}: step {plan.step_id} nests plans (never sent)"
+                        reports.put_nowait(StepOutcome(plan.step_id, None, error=error))
+                        return
+                    if observer is not None:
+                        observer.on_plan(plan)
+                    self.engine.submit(plan_from_pb(plan), plan.tokens_from_last_stage)
         finally:
             reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
 

@@ -112,6 +112,31 @@ def test_store_one_round_trip_per_step(store):
     assert len(trace.outputs) == 8
 
 
+def test_store_steps_applied_together_persist_in_one_round_trip(store):
+    """A service that fell behind applies every report waiting, then flushes once: one
+    round trip for several steps, and every token still streamed once, in order."""
+    config = make_config(num_stages=2, scheduling="async", max_num_seqs=4)
+    scheduler = Scheduler(config, store)
+    for request in _requests():
+        scheduler.add_request(request)
+    workers, trace, batch_sizes = FakeWorkers(True, config.block_size), Trace(), []
+    for _ in range(1000):
+        if not scheduler.has_unfinished:
+            break
+        plans = [scheduler.schedule() for _ in range(config.steps_in_flight)]
+        results = [workers.run(p) for p in plans if p.num_requests or p.finished_request_ids]
+        before = store.round_trips
+        for result in results:
+            scheduler.apply_result(result)
+        collect(trace, scheduler.outputs.flush())
+        assert store.round_trips - before <= 1
+        batch_sizes.append(sum(bool(r.request_ids) for r in results))
+    assert not scheduler.has_unfinished and max(batch_sizes) >= 3
+    expected = {r.request_id: expected_output(r, config.max_model_len) for r in _requests()}
+    assert trace.outputs == expected
+    assert {r: store.read_tokens(r) for r in expected} == expected
+
+
 def test_store_finished_requests_expire(store, redis_url):
     store.finished_ttl_s = 120
     scheduler = Scheduler(make_config(), store)

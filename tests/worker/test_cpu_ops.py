@@ -153,32 +153,67 @@ def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernel does not build here")
-@pytest.mark.parametrize("in_features", [64, 576, 1000])
-def test_int8_rows_depend_neither_on_the_batch_nor_on_the_instruction_set(in_features):
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (96, 576), (50, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_rows_depend_neither_on_the_batch_nor_on_the_instruction_set(
+    out_features, in_features, dtype
+):
     """Sync and async scheduling batch requests differently: every batch size takes one
     exact integer arithmetic, so a row's output is bit-identical alone and in a batch of 40,
-    and AVX512-VNNI, AVX2 and plain C++ give the same bits (a CI machine without VNNI once
-    gave different tokens to sync and async when bigger batches took torch's kernel)."""
+    and AMX (batches of 4 rows on, tiles padded past the 40th row, the 50th channel and the
+    1000th input), AVX512-VNNI, AVX2 and plain C++ give the same bits (a CI machine without
+    VNNI once gave different tokens to sync and async when bigger batches took torch's
+    kernel)."""
     gen = torch.Generator().manual_seed(8)
-    layer = QuantLinear("int8", torch.randn(96, in_features, generator=gen), None)
-    x = torch.randn(40, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    layer = QuantLinear("int8", torch.randn(out_features, in_features, generator=gen), bias)
+    x = torch.randn(40, in_features, generator=gen).to(dtype)
     kernels = cpu_ops.load_kernels()
     isas = kernels.int8_isas()
+    assert (layer.qweight_amx is not None) == ("amx" in isas)
     outputs = {}
     try:
         for isa in isas:
             kernels.use_int8_isa(isa)
             batch = layer(x)
+            assert batch.dtype == dtype
             for row in (0, 3, 4, 39):
                 assert torch.equal(layer(x[row : row + 1]), batch[row : row + 1]), (isa, row)
-            assert torch.equal(layer(x[:4]), batch[:4])
-            assert torch.equal(layer(x[:7]), batch[:7])
+            for rows in (3, 4, 7, 16, 17):
+                assert torch.equal(layer(x[:rows]), batch[:rows]), (isa, rows)
+            assert torch.equal(layer(x[20:]), batch[20:]), isa
             outputs[isa] = batch
     finally:
         kernels.use_int8_isa(isas[0])
     assert all(torch.equal(out, outputs[isas[0]]) for out in outputs.values())
-    reference = x.float() @ (layer.qweight.float() * layer.scale[:, None]).T
+    reference = x.float() @ (layer.qweight.float() * layer.scale[:, None]).T + bias.float()
     torch.testing.assert_close(outputs[isas[0]].float(), reference, atol=0.05, rtol=0.02)
+
+
+def test_int8_amx_sums_do_not_overflow_at_the_bounds():
+    """The largest products the AMX split makes (hi = -128 or 127, lo = 255, |w| = 127)
+    over more k than one int32 chunk holds (32768) sum to the same bits on every path."""
+    kernels = cpu_ops.load_kernels()
+    isas = kernels.int8_isas()
+    if "amx" not in isas:
+        pytest.skip("no AMX-INT8 on this CPU")
+    in_features = 33000
+    q = torch.full((32, in_features), 127, dtype=torch.int8)
+    q[1::2] = -127
+    x = torch.ones(16, in_features)  # every element the row's amax: xq = +-32767
+    x[1::2] = -1
+    x[3, ::5] = 0.999
+    packed = cpu_ops.int8_pack_amx(q)
+    outputs = []
+    try:
+        for isa in isas:
+            kernels.use_int8_isa(isa)
+            outputs.append(cpu_ops.small_linear(x, q, packed=packed))
+    finally:
+        kernels.use_int8_isa(isas[0])
+    assert all(torch.equal(out, outputs[-1]) for out in outputs)
+    expected = torch.tensor(127.0 * in_features)  # xq * w * amax / 32767
+    torch.testing.assert_close(outputs[0][0, 0], expected, rtol=1e-6, atol=0)
 
 
 def test_use_int8_isa_refuses_what_this_cpu_cannot_run():

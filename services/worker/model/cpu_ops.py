@@ -81,14 +81,24 @@ def small_linear(
     weight: torch.Tensor,
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (* scale [N]) (+ bias [N]) -> [M, N] in x's dtype.
 
     Float32 and bfloat16 weights: computed in float32, M <= MAX_ROWS. int8 weights: any M,
     activations rounded to int16 per row, exact integer dots (bit-identical for every batch
-    size and instruction set).
+    size and instruction set); `packed` (`int8_pack_amx(weight)`) lets batches of 4 rows
+    and more run them on AMX.
     """
-    return load_kernels().small_linear(x, weight, scale, bias)  # casts in C++
+    return load_kernels().small_linear(x, weight, scale, bias, packed)  # casts in C++
+
+
+def int8_pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of int8 weights [N, K] that `small_linear`'s AMX path reads (as many bytes,
+    N padded to 32 and K to 64), or None where the CPU has no AMX-INT8 (or no kernel)."""
+    if weight.device.type != "cpu" or not available():
+        return None
+    return load_kernels().int8_pack_amx(weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,8 +10,11 @@ see `default_ignore`). A weight row r is stored as q[r, :] with  w[r, :] ~= q[r,
 
 Matmuls (`QuantLinear.forward`), by what the hardware has:
 
-    int8, CPU   torch's packed int8 weight-only kernel (`_weight_int8pack_mm`, bf16
-                activations: its float32 path is ~10x slower, see docs/performance.md)
+    int8, CPU   the C++ kernel `cpu_ops.small_linear` for every batch size: activations
+                rounded to int16 per row, exact integer dots (AMX from 4 rows on where the
+                CPU has it, over a copy of q repacked at load; AVX512-VNNI, AVX2 or scalar
+                otherwise: the same bits); torch's `_weight_int8pack_mm` (bf16 activations)
+                only where the C++ kernel cannot build
     fp8, CUDA   the Triton kernel kernels/fp8_matmul.py (fp8 tiles widened in registers)
     otherwise   dequantized in the matmul: x @ (q * 1).T, then * scale per column
 
@@ -105,6 +108,10 @@ class QuantLinear(nn.Module):
         # The int8 CPU kernel wants scales in the activation dtype: exact, see quantize_int8.
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        # int8 on a CPU with AMX-INT8: a second copy of q in AMX's tile layout, for batches
+        # of 4 rows on (as many bytes again as q; None elsewhere).
+        packed = cpu_ops.int8_pack_amx(q) if method == "int8" else None
+        self.register_buffer("qweight_amx", packed, persistent=False)
 
     @property
     def num_bytes(self) -> int:
@@ -118,7 +125,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.method == "int8" and self.small_batch and cpu_ops.serves(x, self.qweight):
-            out = cpu_ops.small_linear(x, self.qweight, self.scale)
+            out = cpu_ops.small_linear(x, self.qweight, self.scale, packed=self.qweight_amx)
         elif self.method == "int8" and x.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), self.qweight, self.scale_bf16

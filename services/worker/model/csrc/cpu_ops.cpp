@@ -11,6 +11,8 @@
 //   W      [N, K]  float32, bfloat16 or int8, contiguous (the plain, unpacked weight)
 //   scale  [N]     or undefined: per-output-channel scale of int8 weights
 //   bias   [N]     or undefined
+//   packed         or undefined: int8_pack_amx(W), the AMX copy of int8 weights (batches of
+//                  kAmxMinRows rows on, where the CPU has AMX-INT8)
 //   returns [M, N] in x's dtype (computed in float32)
 //
 // Why: with one or two rows a decode step is a stream of weight bytes (every weight read
@@ -32,6 +34,12 @@
 #include <cmath>
 #include <tuple>
 #include <vector>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+#endif
 
 namespace {
 
@@ -123,13 +131,38 @@ bool has_avx2() {
   return supported;
 }
 
+// AMX-INT8 (Sapphire Rapids on): the CPU says so in CPUID (leaf 7: EDX bit 24 AMX-TILE,
+// bit 25 AMX-INT8) and Linux lends the tile registers' state to a process that asks for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process: without that the
+// first tile instruction faults.
+#if defined(__linux__) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define CONVEYOR_AMX 1
+#endif
+
+bool has_amx() {
+#ifdef CONVEYOR_AMX
+  static const bool supported = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!has_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return supported;
+#else
+  return false;
+#endif
+}
+
 // The instruction sets this CPU runs the int8 dot with, best first; `int8_isa` is the one
-// used (the best, unless `use_int8_isa` picked another: the tests compare them).
-enum class Isa { kVnni, kAvx2, kScalar };
-constexpr const char* kIsaNames[] = {"avx512_vnni", "avx2", "scalar"};
+// used (the best, unless `use_int8_isa` picked another: the tests compare them). "amx" is
+// AVX512-VNNI for batches under kAmxMinRows rows and for weights without an AMX copy.
+enum class Isa { kAmx, kVnni, kAvx2, kScalar };
+constexpr const char* kIsaNames[] = {"amx", "avx512_vnni", "avx2", "scalar"};
 
 std::vector<Isa> int8_isas() {
   std::vector<Isa> isas;
+  if (has_amx()) isas.push_back(Isa::kAmx);
   if (has_vnni()) isas.push_back(Isa::kVnni);
   if (has_avx2()) isas.push_back(Isa::kAvx2);
   isas.push_back(Isa::kScalar);
@@ -257,6 +290,7 @@ __attribute__((target("avx2"))) void tile_avx2(const int16_t* xq, const W* w, in
 template <typename W, int RX, int RW>
 void tile(const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
   switch (int8_isa()) {
+    case Isa::kAmx:  // batches too small for AMX tiles
     case Isa::kVnni: return tile_vnni<W, RX, RW>(xq, w, K, sums);
     case Isa::kAvx2: return tile_avx2<W, RX, RW>(xq, w, K, sums);
     default: return tile_scalar<W, RX, RW>(xq, w, K, sums);
@@ -284,12 +318,29 @@ void any_tile(int64_t rx, int64_t rw, const int16_t* xq, const W* w, int64_t K, 
   }
 }
 
+// out[i, j] = sums[i, j] * x_scale[i] * scale[j] + bias[j] for a block of rx x rw outputs,
+// rounded to T (float or bfloat16, x's dtype): one function for every path (not inlined),
+// the multiply-add written as an fma, so that -ffast-math cannot contract this float
+// arithmetic differently for different paths.
+template <typename T>
+__attribute__((noinline)) void store_rows(int64_t rx, int64_t rw, const int64_t* sums,
+                                          int64_t ld, const float* x_scale, const float* scale,
+                                          const float* bias, T* out, int64_t N) {
+  for (int64_t i = 0; i < rx; ++i) {
+    const float xs = x_scale[i];
+    for (int64_t j = 0; j < rw; ++j)
+      out[i * N + j] = static_cast<T>(std::fma(static_cast<float>(sums[i * ld + j]) * xs,
+                                               scale ? scale[j] : 1.f, bias ? bias[j] : 0.f));
+  }
+}
+
 // out[r, n] for weight rows [begin, end) and every row r of x, kTileW weight rows at a time
 // (independent accumulators, so the dot's latency overlaps): a decode step (M <= kTileX)
 // dots the int8 rows as they stream in; a bigger batch widens the weight rows to int16 once
 // and tiles the rows of x against them.
+template <typename T>
 void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* w,
-               const float* scale, const float* bias, float* out, int64_t K, int64_t N,
+               const float* scale, const float* bias, T* out, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
   std::vector<int16_t> w16(M > kTileX ? kTileW * K : 0);
   int64_t sums[kTileX * kTileW];
@@ -303,26 +354,154 @@ void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t*
         any_tile(rx, rw, xq + r * K, w16.data(), K, sums);
       else
         any_tile(rx, rw, xq + r * K, w + n * K, K, sums);
-      for (int64_t i = 0; i < rx; ++i)
-        for (int64_t j = 0; j < rw; ++j) {
-          const float s = scale ? scale[n + j] : 1.f, b = bias ? bias[n + j] : 0.f;
-          out[(r + i) * N + n + j] = static_cast<float>(sums[i * rw + j]) * x_scale[r + i] * s + b;
-        }
+      store_rows(rx, rw, sums, rw, x_scale + r, scale ? scale + n : nullptr,
+                 bias ? bias + n : nullptr, out + r * N + n, N);
     }
   }
 }
 
-void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias,
-                 float* out, int64_t K, int64_t N) {
-  std::vector<int16_t> xq(M * K);
+// ---- AMX: the same exact integer dot on the tile unit, for batches of kAmxMinRows rows on.
+// AMX multiplies int8 by int8 (`tdpbssd`) or uint8 by int8 (`tdpbusd`), 16 rows x 16
+// columns x 64 k per instruction, into int32. The activations are int16, so each is split
+// xq = 256 * hi + lo with hi = xq >> 8 in [-128, 127] (signed) and lo = xq & 255 in
+// [0, 255] (unsigned), and xq . w = 256 * (hi . w) + (lo . w): two tile products, summed
+// into int64 per K chunk, the same integers as every other path (and the same floats after,
+// through store_rows). Bounds: an int32 element takes 64 products per k block, each at most
+// 255 * 127 = 32385, so kAmxChunk = 512 blocks (32768 k) keep it under 2^31.
+//
+// Both operands are laid out so that each tile is 1 KiB of contiguous bytes, and the tiles
+// one k step reads sit side by side (2 KiB of x, 2 KiB of weights), which the hardware
+// prefetchers follow. The weights are repacked once, at load (`int8_pack_amx`), in the
+// layout a B tile takes (VNNI-4): output channels [16 nb, 16 nb + 16) at k block kb are
+// 16 rows of 64 bytes, row r holding k = 64 kb + 4 r .. + 3 of each channel, 4 bytes per
+// channel; the two blocks of a pair of them (2 p, 2 p + 1) sit together per kb:
+// [N32 / 32, K64 / 64, 2, 16, 64] int8 (N padded to 32 and K to 64 with zeros: as many
+// bytes as the weight plus the padding). x per call: [M16 / 16, K64 / 64, (hi, lo), 16, 64].
+constexpr int64_t kAmxMinRows = 4;    // AMX from here on (padded to 16 rows, it beat VNNI
+                                      // from 4 rows, tied at 2: docs/performance.md)
+constexpr int64_t kAmxChunk = 512;    // k blocks of 64 per int32 accumulation
+constexpr int64_t kAmxCols = 32;      // output channels per tile step (2 tiles of 16)
+constexpr int64_t kAmxRowChunk = 64;  // rows of x per pass over the weights
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+#ifdef CONVEYOR_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: int32 sums (hi.w0, lo.w0, hi.w1, lo.w1); 4, 5: hi and lo of 16 rows of x;
+// 6, 7: two column blocks of weights. All 16 rows x 64 bytes. A constant in memory: GCC
+// drops the stores into a local one (it does not see that ldtilecfg reads them).
+constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                    {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_configure() {
+  _tile_loadconfig(&kTileConfig);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// sums[16, 32] (row stride kAmxCols) = the dots of 16 rows of x (a: their Kb k blocks of
+// hi and lo) with a pair of column blocks (b: their Kb k blocks), one k chunk at a time.
+__attribute__((target("amx-tile,amx-int8"))) void amx_dots(const uint8_t* a, const int8_t* b,
+                                                           int64_t Kb, int64_t* sums) {
+  alignas(64) int32_t c[4][16 * 16];
+  std::fill(sums, sums + 16 * kAmxCols, 0);
+  for (int64_t begin = 0; begin < Kb; begin += kAmxChunk) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = begin; kb < std::min(Kb, begin + kAmxChunk); ++kb) {
+      _tile_loadd(4, a + kb * 2048, 64);         // hi
+      _tile_loadd(5, a + kb * 2048 + 1024, 64);  // lo
+      _tile_loadd(6, b + kb * 2048, 64);
+      _tile_loadd(7, b + kb * 2048 + 1024, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbusd(1, 5, 6);
+      _tile_dpbssd(2, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        sums[i * kAmxCols + j] +=
+            256 * static_cast<int64_t>(c[0][i * 16 + j]) + c[1][i * 16 + j];
+        sums[i * kAmxCols + 16 + j] +=
+            256 * static_cast<int64_t>(c[2][i * 16 + j]) + c[3][i * 16 + j];
+      }
+  }
+}
+#endif
+
+// out for the column pairs [begin, end) (kAmxCols channels each) and all M rows of x
+// (xt: laid out as above).
+template <typename T>
+void int8_rows_amx(int64_t M, const uint8_t* xt, int64_t Kb, const float* x_scale,
+                   const int8_t* packed, const float* scale, const float* bias, T* out,
+                   int64_t N, int64_t begin, int64_t end) {
+#ifdef CONVEYOR_AMX
+  int64_t sums[16 * kAmxCols];
+  amx_configure();  // per thread: the tile configuration is thread state
+  for (int64_t rows = 0; rows < M; rows += kAmxRowChunk)  // x's chunk stays in cache
+    for (int64_t p = begin; p < end; ++p) {  // and the pair's weights over the chunk
+      const int64_t n = p * kAmxCols;
+      for (int64_t r = rows; r < std::min(M, rows + kAmxRowChunk); r += 16) {
+        amx_dots(xt + r / 16 * Kb * 2048, packed + p * Kb * 2048, Kb, sums);
+        store_rows(std::min<int64_t>(16, M - r), std::min(kAmxCols, N - n), sums, kAmxCols,
+                   x_scale + r, scale ? scale + n : nullptr, bias ? bias + n : nullptr,
+                   out + r * N + n, N);
+      }
+    }
+  amx_release();
+#else
+  TORCH_CHECK(false, "int8_rows_amx: built without AMX");
+#endif
+}
+
+// x [M, K] and out [M, N] in T (float or bfloat16: read and written directly, no casts).
+template <typename T>
+void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
+                 const float* scale, const float* bias, T* out, int64_t K, int64_t N) {
+  const bool amx = packed != nullptr && int8_isa() == Isa::kAmx && M >= kAmxMinRows;
+  const int64_t Kp = round_up(K, 64);
+  std::vector<int16_t> xq(amx ? 0 : M * K);
+  std::vector<uint8_t> xt(amx ? round_up(M, 16) * Kp * 2 : 0);  // zero padding adds nothing
   std::vector<float> x_scale(M);  // amax / 32767 of each row
-  for (int64_t r = 0; r < M; ++r) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[r * K + k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k)
-      xq[r * K + k] = static_cast<int16_t>(std::nearbyint(x[r * K + k] * inv));
-    x_scale[r] = amax / 32767.f;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> row(K);
+    for (int64_t r = begin; r < end; ++r) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        amax = std::max(amax, std::abs(static_cast<float>(x[r * K + k])));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* q = amx ? row.data() : xq.data() + r * K;
+      for (int64_t k = 0; k < K; ++k)
+        q[k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[r * K + k]) * inv));
+      x_scale[r] = amax / 32767.f;
+      if (amx)  // row r % 16 of the hi and lo tiles of each k block
+        for (int64_t k = 0; k < K; ++k) {
+          uint8_t* tiles =
+              xt.data() + (r / 16 * (Kp / 64) + k / 64) * 2048 + r % 16 * 64 + k % 64;
+          tiles[0] = static_cast<uint8_t>(q[k] >> 8);
+          tiles[1024] = static_cast<uint8_t>(q[k] & 0xff);
+        }
+    }
+  });
+  if (amx) {
+    at::parallel_for(0, round_up(N, kAmxCols) / kAmxCols, 1, [&](int64_t begin, int64_t end) {
+      int8_rows_amx(M, xt.data(), Kp / 64, x_scale.data(), packed, scale, bias, out, N, begin,
+                    end);
+    });
+    return;
   }
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
     int8_rows(M, xq.data(), x_scale.data(), w, scale, bias, out, K, N, begin, end);
@@ -331,9 +510,30 @@ void int8_linear(int64_t M, const float* x, const int8_t* w, const float* scale,
 
 }  // namespace
 
+// The AMX copy of int8 weights [N, K] (layout above), or an undefined tensor where this
+// CPU has no AMX-INT8.
+torch::Tensor int8_pack_amx(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && !weight.is_cuda(),
+              "int8_pack_amx: int8 CPU weights [N, K] expected");
+  if (!has_amx()) return {};
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kb = round_up(K, 64) / 64;
+  auto packed = torch::zeros({round_up(N, kAmxCols) / 32, Kb, 2, 16, 64}, w.options());
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k)  // pair n / 32, block k / 64, half n / 16 % 2, row k % 64
+        dst[(((n / 32 * Kb + k / 64) * 2 + n / 16 % 2) * 16 + k % 64 / 4) * 64 +  // / 4, byte
+            n % 16 * 4 + k % 4] = src[n * K + k];                                 // 4 c + k % 4
+  });
+  return packed;
+}
+
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
                            const c10::optional<torch::Tensor>& scale,
-                           const c10::optional<torch::Tensor>& bias) {
+                           const c10::optional<torch::Tensor>& bias,
+                           const c10::optional<torch::Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
   const bool int8 = weight.scalar_type() == at::kChar;
@@ -346,7 +546,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const float* scale_ptr = nullptr;
   const float* bias_ptr = nullptr;
   // casts here rather than in Python: each costs a dispatch there, per matmul
-  torch::Tensor scale_f, bias_f, x_f = x.to(at::kFloat).contiguous();
+  torch::Tensor scale_f, bias_f;
   if (scale.has_value() && scale->defined()) {
     scale_f = scale->to(at::kFloat).contiguous();
     TORCH_CHECK(scale_f.numel() == N, "small_linear: scale must be [N]");
@@ -357,6 +557,25 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     TORCH_CHECK(bias_f.numel() == N, "small_linear: bias must be [N]");
     bias_ptr = bias_f.data_ptr<float>();
   }
+  if (int8) {  // x and out in x's dtype
+    const int8_t* packed_ptr = nullptr;
+    if (packed.has_value() && packed->defined()) {
+      TORCH_CHECK(packed->scalar_type() == at::kChar && packed->is_contiguous() &&
+                      packed->numel() == round_up(N, kAmxCols) * round_up(K, 64),
+                  "small_linear: packed must be int8_pack_amx(weight)");
+      packed_ptr = packed->data_ptr<int8_t>();
+    }
+    const torch::Tensor xc = x.contiguous();
+    auto out = torch::empty({M, N}, xc.options());
+    if (x.scalar_type() == at::kFloat)
+      int8_linear(M, xc.data_ptr<float>(), weight.data_ptr<int8_t>(), packed_ptr, scale_ptr,
+                  bias_ptr, out.data_ptr<float>(), K, N);
+    else
+      int8_linear(M, xc.data_ptr<at::BFloat16>(), weight.data_ptr<int8_t>(), packed_ptr,
+                  scale_ptr, bias_ptr, out.data_ptr<at::BFloat16>(), K, N);
+    return out;
+  }
+  const torch::Tensor x_f = x.to(at::kFloat).contiguous();
   auto out = torch::empty({M, N}, x_f.options());
   const float* xp = x_f.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -366,9 +585,6 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
       break;
     case at::kBFloat16:
       run(M, xp, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale_ptr, bias_ptr, op, K, N);
-      break;
-    case at::kChar:
-      int8_linear(M, xp, weight.data_ptr<int8_t>(), scale_ptr, bias_ptr, op, K, N);
       break;
     default:
       TORCH_CHECK(false, "small_linear: float32, bfloat16 or int8 weights, got ",
@@ -664,7 +880,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "at slot_mapping; returns q [T, Hq, D]");
   m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("packed") = py::none());
+  m.def("int8_pack_amx", &int8_pack_amx,
+        "the AMX (VNNI-4) copy of int8 weights [N, K] for small_linear's packed; None "
+        "without AMX-INT8");
   m.attr("max_rows") = kMaxRows;
   m.def("int8_isas", &int8_isa_names, "instruction sets of the int8 dot on this CPU, best first");
   m.def("use_int8_isa", &use_int8_isa, "run the int8 dot with this one (tests compare them)");

@@ -1,0 +1,118 @@
+"""Several plans in one Run message (`StepPlan.following`): what a busy scheduler's writer
+sends. A real worker process (simulated device) runs each of them, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from services.common.pb import plan_to_pb
+from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
+from services.common.redis_server import free_port
+from services.common.sampling import SamplingParams
+from services.common.step import CachedRequest, NewRequest, StepPlan
+from services.scheduler.pipeline import join_plans
+from services.worker.config import WorkerConfig
+from services.worker.sim import MODELS_DIR
+from services.worker.sim.runner import SimStageRunner
+
+MODEL_DIR = MODELS_DIR / "llama-3-8b"
+PROMPT = [10, 11, 12]
+SAMPLING = SamplingParams(ignore_eos=True)
+
+
+def _plans(tokens: list[int]) -> list[StepPlan]:
+    """A prefill, then two decodes fed (sync mode) the tokens the sim samples."""
+    return [
+        StepPlan(0, new_requests=[NewRequest("a", PROMPT, 3, SAMPLING, [0], 0, 3)]),
+        StepPlan(1, cached_requests=[CachedRequest("a", 1, [], [tokens[0]])]),
+        StepPlan(2, cached_requests=[CachedRequest("a", 1, [], [tokens[1]])]),
+    ]
+
+
+def _joined(plans: list[StepPlan]) -> bytes:
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for plan in plans[1:]:
+        queue.put_nowait(plan_to_pb(plan, False).SerializeToString())
+    return join_plans(plan_to_pb(plans[0], False).SerializeToString(), queue)
+
+
+def test_joined_plans_parse_as_the_first_with_the_rest_following():
+    plans = _plans([7, 8])
+    msg = worker_pb2.StepPlan.FromString(_joined(plans))
+    assert [p.step_id for p in (msg, *msg.following)] == [0, 1, 2]
+    assert all(not p.following for p in msg.following)
+    assert msg.following[1].cached_requests[0].new_token_ids == [8]
+    assert msg.new_requests[0].token_ids == PROMPT
+
+
+@pytest.fixture(scope="module")
+def worker():
+    port = free_port()
+    argv = ["worker", "--model", str(MODEL_DIR), "--device", "sim", "--sim-profile", "h100"]
+    argv += ["--stage", "0", "--stages", "1", "--port", str(port), "--max-model-len", "512"]
+    argv += ["--dist-addr", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1"]
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv])
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _ready(address):
+            assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "the worker did not become ready in 120 s"
+            time.sleep(0.3)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _ready(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.StageWorkerStub(channel)
+        try:
+            return stub.Describe(worker_pb2.DescribeRequest(), timeout=2).ready
+        except grpc.RpcError:
+            return False
+
+
+async def _run(address: str, messages: list[bytes], num_reports: int) -> list:
+    async with grpc.aio.insecure_channel(address) as channel:
+        run = channel.stream_stream(
+            "/conveyor.v1.StageWorker/Run",
+            request_serializer=None,
+            response_deserializer=worker_pb2.StepReport.FromString,
+        )
+        call = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+        for message in messages:
+            await call.write(message)
+        reports = []
+        while len(reports) < num_reports:
+            report = await asyncio.wait_for(call.read(), 60)
+            if report is grpc.aio.EOF:  # the worker ended the session
+                break
+            reports.append(report)
+        call.cancel()
+        return reports
+
+
+def test_worker_runs_every_plan_of_a_joined_message_in_order(worker):
+    tokens = SimStageRunner.from_config(
+        WorkerConfig(model_dir=str(MODEL_DIR), device="sim", sim_profile="h100")
+    ).tokens.expected_tokens(PROMPT, SAMPLING, 3)
+    reports = asyncio.run(_run(worker, [_joined(_plans(tokens))], 3))
+    assert [r.error for r in reports] == ["", "", ""]
+    assert [r.step_id for r in reports] == [0, 1, 2]
+    assert [list(r.token_ids) for r in reports] == [[t] for t in tokens]
+
+
+def test_worker_refuses_nested_plans(worker):
+    inner = worker_pb2.StepPlan(step_id=1)
+    inner.following.add(step_id=2)
+    msg = worker_pb2.StepPlan(step_id=0, following=[inner])
+    reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
+    assert [r.step_id for r in reports if "nests plans" in r.error] == [1]

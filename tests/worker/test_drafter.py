@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import InvalidRequest
+from services.common.errors import ConfigError, InvalidRequest
 from services.models.tiny import make_tiny_model
 from services.worker.config import WorkerConfig
 from services.worker.draft import Drafter, DraftSequence
@@ -93,3 +93,11 @@ def test_drafter_evicts_requests_outside_the_batch_for_room(model_dir):
 def test_drafter_refuses_malformed_calls(model_dir, sequences):
     with pytest.raises(InvalidRequest):
         _drafter(model_dir).propose(sequences, [])
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"num_stages": 2}, {"tensor_parallel_size": 2}, {"device": "sim"}]
+)
+def test_draft_worker_config_refuses_a_share_of_the_model(model_dir, overrides):
+    with pytest.raises(ConfigError, match="--draft runs the whole draft model"):
+        WorkerConfig(str(model_dir), is_draft=True, **overrides)

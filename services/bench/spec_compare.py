@@ -9,6 +9,9 @@ scheduler measured; writes `spec-compare.json` under the results directory. Run 
 `--dataset repeat` (outputs copy the prompt: proposals are accepted) and with
 `--dataset random --temperature 1` (sampled outputs rarely repeat: little is accepted, and
 adaptivity must keep the cost small).
+
+With `--peers vllm-ngram`, vLLM's CPU build follows on the same requests, without and with
+its n-gram speculation from the same config (`peers/vllm_spec.py`).
 """
 
 from __future__ import annotations

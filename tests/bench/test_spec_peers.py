@@ -63,7 +63,7 @@ def test_vllm_ngram_goes_with_the_speculative_comparison_only():
     assert parse_spec_peers(None) == () and parse_spec_peers("vllm-ngram") == ("vllm-ngram",)
 
 
-def test_vllm_gets_conveyors_config_without_conveyors_own_keys():
+def test_vllm_gets_conveyors_config_with_conveyors_defaults_and_without_its_own_keys():
     config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
     config += '"prompt_lookup_min": 2, "probe_interval": 8}'
     assert vllm_spec.vllm_speculative_config(config) == {
@@ -72,12 +72,15 @@ def test_vllm_gets_conveyors_config_without_conveyors_own_keys():
         "prompt_lookup_max": 5,
         "prompt_lookup_min": 2,
     }
-    assert vllm_spec.vllm_speculative_config('{"num_speculative_tokens": 2}') == {
+    # vLLM would take prompt_lookup_min = prompt_lookup_max here; Conveyor looks down to 1
+    assert vllm_spec.vllm_speculative_config(NGRAM) == {
         "method": "ngram",
-        "num_speculative_tokens": 2,
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
     }
-    with pytest.raises(ValueError, match="method 'draft'"):
-        vllm_spec.vllm_speculative_config('{"method": "draft", "model": "/m"}')
+    with pytest.raises(ValueError, match="draft model"):
+        vllm_spec.vllm_speculative_config('{"model": "/m"}')
 
 
 def test_vllm_serve_with_the_speculative_config(tmp_path):

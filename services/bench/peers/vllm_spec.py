@@ -19,7 +19,6 @@ row reports the error vLLM printed (`startup_error`) instead of figures.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import urllib.request
@@ -31,6 +30,8 @@ from services.bench.datasets import BenchRequest
 from services.bench.driver import DriverOptions
 from services.bench.peers import vllm
 from services.bench.run import BenchTarget, run_benchmark
+from services.common.errors import ConfigError
+from services.scheduler.speculative import SpeculativeConfig
 
 KEY = "vllm"
 NGRAM_KEY = "vllm-ngram"
@@ -45,14 +46,14 @@ ERROR_LINE = re.compile(r"(Error|error:|not supported|NotImplemented|Exception)"
 
 
 def vllm_speculative_config(conveyor_config: str) -> dict:
-    """Conveyor's `--speculative-config` JSON as vLLM's: the same keys, less Conveyor's own."""
-    config = json.loads(conveyor_config)
-    if config.get("method", "ngram") != "ngram":
-        raise ValueError(
-            f"--peers vllm-ngram compares n-gram speculation; --speculative-config has "
-            f"method {config.get('method')!r}"
-        )
-    return {"method": "ngram", **{k: config[k] for k in VLLM_KEYS[1:] if k in config}}
+    """Conveyor's `--speculative-config` JSON as vLLM's, with Conveyor's defaults filled in
+    (vLLM's differ: given only `prompt_lookup_max`, it takes `prompt_lookup_min` equal to
+    it, where Conveyor looks down to 1); Conveyor's own `probe_interval` is left out."""
+    try:
+        config = SpeculativeConfig.from_json(conveyor_config)
+    except ConfigError as exc:
+        raise ValueError(f"--peers vllm-ngram: {exc}") from None
+    return {key: getattr(config, key) for key in VLLM_KEYS}
 
 
 def spec_counters(metrics_text: str) -> dict[str, float]:

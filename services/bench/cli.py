@@ -181,7 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compare with these CPU engines instead of transformers: vllm,openvino (each "
         "built in its own virtualenv under --peers-dir on first use); conveyor-vllm-bench "
-        "adds Conveyor's HTTP endpoint measured by `vllm bench serve`",
+        "adds Conveyor's HTTP endpoint measured by `vllm bench serve`; with "
+        "--speculative-config: vllm-ngram (vLLM without and with the same n-gram config)",
     )
     compare.add_argument(
         "--rounds",
@@ -193,7 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="--peers: the dtype of Conveyor's stacks and of the peers (default: float32)",
+        help="--peers and --speculative-config: the dtype of Conveyor's stacks and of the "
+        "peers (default: float32)",
     )
     compare.add_argument(
         "--peers-dir",
@@ -252,9 +254,27 @@ def _workload(args: argparse.Namespace):
 def _check_peer_flags(args: argparse.Namespace) -> None:
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
-    peer_only = args.rounds != 1 or args.dtype != "float32" or args.peers_dir
-    if peer_only and not (args.compare and args.peers):
+    with_peers = args.compare and args.peers and not args.speculative_config
+    with_spec = args.compare and args.speculative_config
+    if args.rounds != 1 and not with_peers:
         raise SystemExit("--rounds, --dtype and --peers-dir go with --compare --peers")
+    if (args.dtype != "float32" or args.peers_dir) and not (with_peers or with_spec):
+        raise SystemExit(
+            "--rounds, --dtype and --peers-dir go with --compare --peers (--dtype and "
+            "--peers-dir also with --compare --speculative-config)"
+        )
+    if "vllm-ngram" in (args.peers or "").split(",") and not with_spec:
+        raise SystemExit(
+            "--peers vllm-ngram goes with --compare --speculative-config JSON (e.g. "
+            "--dataset repeat): vLLM without and with the same n-gram speculation"
+        )
+    if with_spec and args.peers:
+        from services.bench.spec_compare import parse_spec_peers
+
+        try:
+            parse_spec_peers(args.peers)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.peers and args.device != "cpu":
         raise SystemExit("--peers runs on the CPU: leave out --device sim")
 

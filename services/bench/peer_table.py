@@ -13,6 +13,8 @@ LABELS = {
     "sync-2stage": "Conveyor 2 stages sync",
     "async-2stage": "Conveyor 2 stages async",
     "async-1stage": "Conveyor 1 stage (2 threads)",
+    "tp2-1stage": "Conveyor 1 stage x 2 TP",
+    "tp2-2stage": "Conveyor 2 stages x 2 TP",
     "vllm": "vLLM CPU, vllm serve",
     "conveyor-vllm-bench": "Conveyor via vllm bench serve",
     "openvino": "OpenVINO GenAI, in-process",

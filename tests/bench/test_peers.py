@@ -322,3 +322,10 @@ def test_cpu_meter_counts_a_child_that_ran_and_exited_inside_the_window_as_ours(
     reading = meter.stop()
     cpu_seconds = reading["ours_cores"] * (time.monotonic() - start)
     assert cpu_seconds >= 0.25
+
+
+def test_every_conveyor_mode_of_the_run_has_a_label_in_the_table():
+    from services.bench.compare import MODES
+    from services.bench.peer_table import LABELS
+
+    assert all(mode.key in LABELS for mode in MODES)

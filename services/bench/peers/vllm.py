@@ -12,6 +12,7 @@ GiB).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -20,7 +21,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def serve_env(run: VllmRun, environ: Mapping[str, str], preload: list[str]) -> d
     return env
 
 
-def serve_argv(run: VllmRun, port: int) -> list[str]:
+def serve_argv(run: VllmRun, port: int, speculative_config: dict | None = None) -> list[str]:
+    """`vllm serve`; with `speculative_config` (vLLM's keys) it decodes speculatively."""
+    spec = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
     return [
         str(run.venv.bin("vllm")),
         "serve",
@@ -135,6 +138,7 @@ def serve_argv(run: VllmRun, port: int) -> list[str]:
         run.dtype,
         "--seed",
         "0",
+        *spec,
     ]
 
 
@@ -266,18 +270,22 @@ def bench_sequence(
     return result
 
 
-def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0) -> dict:
-    """Serves the model, benches a warm-up, one request alone and the workload; stops it."""
+@contextlib.contextmanager
+def serving(
+    run: VllmRun, speculative_config: dict | None = None, startup_timeout_s: float = 900.0
+) -> Iterator[tuple[int, dict[str, str], subprocess.Popen]]:
+    """`vllm serve` running and healthy: yields (port, its environment, its process); stops
+    it on the way out (log: `vllm-serve[-spec].log` under the results directory)."""
     env = serve_env(run, os.environ, preload_libraries(run.venv.root))
     port = free_port()
-    log_path = run.results_dir / "vllm-serve.log"
+    log_path = run.results_dir / ("vllm-serve-spec.log" if speculative_config else "vllm-serve.log")
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            serve_argv(run, port), env=env, stdout=log, stderr=subprocess.STDOUT
+            serve_argv(run, port, speculative_config), env=env, stdout=log, stderr=subprocess.STDOUT
         )
     try:
         _wait_healthy(port, proc, log_path, startup_timeout_s)
-        return bench_sequence(run, port, env, workload, [proc.pid])
+        yield port, env, proc
     finally:
         proc.terminate()
         try:
@@ -285,3 +293,9 @@ def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_vllm(run: VllmRun, workload: Workload, startup_timeout_s: float = 900.0) -> dict:
+    """Serves the model, benches a warm-up, one request alone and the workload; stops it."""
+    with serving(run, startup_timeout_s=startup_timeout_s) as (port, env, proc):
+        return bench_sequence(run, port, env, workload, [proc.pid])

@@ -53,6 +53,12 @@ def vllm_speculative_config(conveyor_config: str) -> dict:
         config = SpeculativeConfig.from_json(conveyor_config)
     except ConfigError as exc:
         raise ValueError(f"--peers vllm-ngram: {exc}") from None
+    if config.method != "ngram":
+        raise ValueError(
+            "--peers vllm-ngram compares n-gram speculation: a draft model config "
+            '(method "draft_model") has no vLLM n-gram counterpart; pass '
+            '\'{"method": "ngram", ...}\''
+        )
     return {key: getattr(config, key) for key in VLLM_KEYS}
 
 

@@ -14,7 +14,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from services.common.errors import ConfigError
 from services.common.proto.conveyor.v1 import draft_pb2_grpc
@@ -30,14 +29,6 @@ from tests.pipeline.utils import InProcessStack
 from tests.worker.utils import make_runners
 
 K = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -25,15 +25,6 @@ TIE_MARGIN = 1e-4  # a flip to HF's 2nd choice is accepted only below this top-2
 STAGES_AND_MODES = [(p, m) for p in (1, 2, 3) for m in ("sync", "async")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Up to three compute threads share two cores: one intra-op thread each."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(model_dir, prompts, HF greedy tokens, HF logits per step). Untied embeddings: the
@@ -329,7 +320,7 @@ def test_an_unexpected_error_ends_the_loop_visibly(model, redis_url, monkeypatch
     async def main():
         async with InProcessStack(model_dir, 1, "async", redis_url) as stack:
 
-            def broken():
+            def broken(*_proposals):
                 raise RuntimeError("a bug in schedule()")
 
             monkeypatch.setattr(stack.service.scheduler, "schedule", broken)

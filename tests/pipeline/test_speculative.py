@@ -13,7 +13,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from services.common.proto.conveyor.v1 import scheduler_pb2
 from services.common.sampling import SamplingParams
@@ -27,14 +26,6 @@ from tests.worker.utils import compare_greedy, hf_greedy
 NUM_NEW = 32
 TIE_MARGIN = 1e-4
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def repeating_prompts(num: int, seed: int = 3) -> list[list[int]]:

@@ -66,7 +66,10 @@ def build_extension(name: str, source: Path, arch_flags: list[str], what: str, h
             module = load(
                 name=name,
                 sources=[str(source_copy(source, directory))],
-                extra_cflags=["-O3", "-ffast-math", "-fopenmp-simd", *arch_flags],
+                # -fopenmp: at::parallel_for is inline, and runs as a plain loop in code
+                # compiled without OpenMP (one thread, whatever torch.set_num_threads says)
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *arch_flags],
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 verbose=False,
             )

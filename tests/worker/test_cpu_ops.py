@@ -221,3 +221,18 @@ def test_use_int8_isa_refuses_what_this_cpu_cannot_run():
         pytest.skip("the C++ kernel does not build here")
     with pytest.raises(RuntimeError, match="does not run on this CPU"):
         cpu_ops.load_kernels().use_int8_isa("avx1024")
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernel does not build here")
+def test_the_kernels_parallel_loops_use_torchs_threads():
+    """The kernels are built with OpenMP: without it at::parallel_for is a plain loop, and a
+    worker with --threads 2 ran every kernel on one core (half the decode speed)."""
+    kernels = cpu_ops.load_kernels()
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernels.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert kernels.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(num_threads)

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <immintrin.h>
@@ -869,7 +870,18 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   return out;
 }
 
+// How many of torch's intra-op threads an at::parallel_for of n items ran on: the kernels'
+// parallel loops run in parallel only when this file is compiled with OpenMP (-fopenmp;
+// without it at::parallel_for is a plain loop, and it silently was until 2026-12-01).
+int64_t parallel_threads(int64_t n) {
+  std::vector<std::atomic<bool>> ran(at::get_num_threads());
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { ran[at::get_thread_num()] = true; });
+  return std::count(ran.begin(), ran.end(), true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads,
+        "how many intra-op threads a parallel loop of n items ran on");
   m.def("decode_attention_bf16", &decode_attention_bf16,
         "Paged decode attention over bfloat16 KV caches (CPU), float32 q and output");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");

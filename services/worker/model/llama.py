@@ -130,8 +130,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config, tp)
         self.fused = False
         """On CPU: the residual add and the second norm in one C++ pass (model/cpu_ops.py)."""
+        self.direct: Callable | None = None
+        """The fused path as one plain function (`direct_layer`), built on first use."""
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
+        if self.fused and self.self_attn.tp.size == 1:
+            if self.direct is None:
+                self.direct = direct_layer(self)
+            return self.direct(x, cos_sin, kv_cache, meta)
         if self.fused:
             attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
             norm = self.post_attention_layernorm
@@ -145,6 +151,47 @@ def fuse_layer(layer: DecoderLayer, attend: AttentionFn) -> None:
     """Put one decoder layer on the fused CPU path (`StageModel.use_fused_cpu_ops`)."""
     layer.fused = layer.input_layernorm.fused = layer.mlp.fused = True
     layer.self_attn.attend = attend
+    layer.direct = None
+
+
+def _linear_function(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    direct = getattr(module, "direct", None)  # PackedLinear, QuantLinear
+    return direct() if direct is not None else module.forward
+
+
+def direct_layer(layer: DecoderLayer) -> Callable:
+    """The fused CPU path of one layer (one request: one C++ call per matmul and pass) as a
+    plain function, its weights bound once: a decode step of one request calls ~10 kernels
+    per layer, and the modules' `__call__`, attribute lookups and dispatch checks around
+    them cost ~1 ms per step of SmolLM2 (2-5 % of a one-thread step, docs/performance.md).
+    Same operations in the same order as `DecoderLayer.forward`'s fused branch; a layer
+    swapped in by a weight update builds its own."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_proj, o_proj = _linear_function(attn.qkv_proj), _linear_function(attn.o_proj)
+    gate_up_proj, down_proj = _linear_function(mlp.gate_up_proj), _linear_function(mlp.down_proj)
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    weight1, eps1, weight2, eps2 = norm1.weight, norm1.eps, norm2.weight, norm2.eps
+    num_heads, num_kv_heads, q_size = attn.num_heads, attn.num_kv_heads, attn.q_size
+    attend, scale = attn.attend, attn.scale
+
+    def forward(x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
+        k_cache, v_cache = kv_cache
+        qkv = qkv_proj(cpu_ops.rms_norm(x, weight1, eps1))
+        q = cpu_ops.rope_write_kv(
+            qkv,
+            *cos_sin,
+            meta.positions,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            num_heads,
+            num_kv_heads,
+        )  # [T, Hq, D]
+        out = attend(q, k_cache, v_cache, meta, scale).reshape(x.shape[0], q_size)
+        x, normed = cpu_ops.add_rms_norm(x, o_proj(out), weight2, eps2)
+        return x + down_proj(cpu_ops.silu_mul(gate_up_proj(normed)))
+
+    return forward
 
 
 class StageModel(nn.Module):

@@ -20,6 +20,7 @@ weights then take twice their memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,6 +70,19 @@ class PackedLinear(nn.Module):
         if self.small_batch and cpu_ops.serves(x, self.weight):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
+        fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch."""
+        weight, packed, bias = self.weight, self.packed_weight, self.bias
+        onednn = torch.ops.mkldnn._linear_pointwise
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            if self.small_batch and x.shape[0] <= cpu_ops.MAX_ROWS:
+                return cpu_ops.small_linear(x, weight, bias=bias)
+            return onednn(x, packed, bias, "none", [], "")
+
+        return linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"

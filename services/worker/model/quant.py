@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,21 @@ class QuantLinear(nn.Module):
         else:
             out = _dequantized_linear(x, self.qweight, self.scale)
         return out if self.bias is None else out + self.bias
+
+    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
+        fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch."""
+        if self.method != "int8" or not cpu_ops.available():
+            return self.forward
+        qweight, scale, packed, bias = self.qweight, self.scale, self.qweight_amx, self.bias
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            if not self.small_batch:
+                return self.forward(x)
+            out = cpu_ops.small_linear(x, qweight, scale, packed=packed)
+            return out if bias is None else out + bias
+
+        return linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"

@@ -3,6 +3,7 @@
     2 stages sync (1 thread per worker)  ─┐
     2 stages async (1 thread per worker)  ├─ warm-up, 1 request alone (TPOT), the workload
     1 stage (2 threads)                   │
+    1 stage (1 thread)                    │
     1 stage x 2 tp ranks async            │  (1 thread per worker; the rows with tp ranks
     2 stages x 2 tp ranks async          ─┘   also report the all-reduce's share of a step)
     transformers static batching (2 threads), the same prompts
@@ -36,6 +37,7 @@ MODES = (
     Mode("sync-2stage", "2 stages sync", stages=2, scheduling="sync", threads=1),
     Mode("async-2stage", "2 stages async", stages=2, scheduling="async", threads=1),
     Mode("async-1stage", "1 stage async", stages=1, scheduling="async", threads=2),
+    Mode("async-1stage-1t", "1 stage async, 1 thread", stages=1, scheduling="async", threads=1),
     Mode("tp2-1stage", "1 stage x 2 tp async", 1, "async", threads=1, tensor_parallel_size=2),
     Mode("tp2-2stage", "2 stages x 2 tp async", 2, "async", threads=1, tensor_parallel_size=2),
 )

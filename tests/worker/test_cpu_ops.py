@@ -236,3 +236,22 @@ def test_the_kernels_parallel_loops_use_torchs_threads():
         assert kernels.parallel_threads(64) == 1
     finally:
         torch.set_num_threads(num_threads)
+
+
+def test_bf16_decode_attention_takes_a_bf16_query_as_the_casts_around_it_would():
+    """A bfloat16 q is widened in the kernel and its output rounded like torch's
+    .to(bfloat16): the same bits as casting q to float32 before and the output after."""
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, block_size, num_kv_heads, head_dim, num_heads = 12, 8, 3, 64, 9
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    q = torch.randn(3, num_heads, head_dim, generator=gen).bfloat16()
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([19, 30, 0], dtype=torch.int32)  # the last one has no context
+    kernels = cpu_ops.load_kernels()
+    ours = kernels.decode_attention_bf16(q, k_cache, v_cache, tables, lens, 0.125)
+    cast = kernels.decode_attention_bf16(q.float(), k_cache, v_cache, tables, lens, 0.125)
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, cast.bfloat16())
+    assert not ours[2].any()

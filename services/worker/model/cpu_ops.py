@@ -154,13 +154,15 @@ def decode_attention_bf16(
     scale: float,
 ) -> torch.Tensor:
     """The CPU decode attention (attention/cpu_backend.py) over bfloat16 KV caches:
-    q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32."""
+    q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32 (a
+    bfloat16 q is widened and the output rounded in the kernel, as torch's casts would)."""
+    native = q.dtype in (torch.float32, torch.bfloat16)
     out = load_kernels().decode_attention_bf16(
-        q.to(torch.float32).contiguous(),
+        (q if native else q.to(torch.float32)).contiguous(),
         k_cache,
         v_cache,
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         scale,
     )
-    return out.to(q.dtype)
+    return out if native else out.to(q.dtype)

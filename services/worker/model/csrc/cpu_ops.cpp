@@ -788,14 +788,26 @@ inline void axpy_widen(float alpha, const uint16_t* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
 }
 
+// Row `seq` of out [B, Hq, D] (float32 or bfloat16) from float32 values.
+void store_row(torch::Tensor& out, int64_t seq, const std::vector<float>& values) {
+  const int64_t size = static_cast<int64_t>(values.size());
+  if (out.scalar_type() == at::kBFloat16) {
+    at::BFloat16* dst = out.data_ptr<at::BFloat16>() + seq * size;
+    for (int64_t i = 0; i < size; ++i) dst[i] = at::BFloat16(values[i]);
+  } else {
+    std::copy(values.begin(), values.end(), out.data_ptr<float>() + seq * size);
+  }
+}
+
 }  // namespace
 
 torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                     const torch::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16 &&
+  const bool bf16_q = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((q.scalar_type() == at::kFloat || bf16_q) && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
-              "decode_attention_bf16: float32 q and bfloat16 caches only");
+              "decode_attention_bf16: float32 or bfloat16 q and bfloat16 caches only");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "decode_attention_bf16: int32 block_tables and seq_lens");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -809,23 +821,31 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
 
+  // q and the output in q's dtype: a bfloat16 q is widened here (exact) and the output
+  // rounded as torch's .to(bfloat16) rounds, so the two casts around the call are gone.
   auto out = torch::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
   const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
   const float softmax_scale = static_cast<float>(scale);
+  const int64_t row_size = num_heads * head_dim;
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(num_heads * head_dim);
+    std::vector<float> scores, acc(row_size), query_row(row_size);
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
-      const float* query = q_ptr + seq * num_heads * head_dim;  // [Hq, D]
-      float* dst = out_ptr + seq * num_heads * head_dim;
+      const float* query;  // [Hq, D]
+      if (bf16_q) {
+        const at::BFloat16* src = q.data_ptr<at::BFloat16>() + seq * row_size;
+        for (int64_t i = 0; i < row_size; ++i) query_row[i] = static_cast<float>(src[i]);
+        query = query_row.data();
+      } else {
+        query = q.data_ptr<float>() + seq * row_size;
+      }
       if (len <= 0) {
-        std::fill(dst, dst + num_heads * head_dim, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        store_row(out, seq, acc);
         continue;
       }
       TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
@@ -864,7 +884,7 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
           axpy_widen(scores[head * len + t], value + (head / group) * head_dim,
                      acc.data() + head * head_dim, head_dim);
       }
-      std::copy(acc.begin(), acc.end(), dst);
+      store_row(out, seq, acc);
     }
   });
   return out;
@@ -883,7 +903,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads,
         "how many intra-op threads a parallel loop of n items ran on");
   m.def("decode_attention_bf16", &decode_attention_bf16,
-        "Paged decode attention over bfloat16 KV caches (CPU), float32 q and output");
+        "Paged decode attention over bfloat16 KV caches (CPU), q and output float32 or bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");

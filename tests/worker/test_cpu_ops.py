@@ -111,6 +111,22 @@ def test_fused_norms_and_silu_mul_equal_the_eager_modules(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 37])  # SmolLM2's, and one that leaves a vector tail
+def test_silu_mul_rows_do_not_depend_on_the_batch(dtype, inter):
+    """Each element takes the same vector exp wherever it sits (a tail too), so a row's
+    bits are the same alone or among others; and they agree with torch's silu."""
+    gen = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(19, 2 * inter, generator=gen) * 4).to(dtype)
+    batch = cpu_ops.silu_mul(gate_up)
+    for row in (0, 7, 18):
+        assert torch.equal(cpu_ops.silu_mul(gate_up[row : row + 1]), batch[row : row + 1])
+    gate, up = gate_up.float().split(inter, dim=-1)
+    want = (F.silu(gate).to(dtype).float() * up).to(dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(batch, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv_ropes_q_and_k_and_fills_the_cache(dtype):
     gen = torch.Generator().manual_seed(6)
     heads, kv_heads, dim, positions = 4, 2, 16, torch.tensor([3, 0, 41])

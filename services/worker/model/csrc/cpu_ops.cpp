@@ -31,6 +31,9 @@
 #include <cstdint>
 #include <string>
 #include <immintrin.h>
+#if defined(__AVX2__)
+#include <sleef.h>  // torch's own vector math (libtorch_cpu exports it)
+#endif
 #include <cstring>
 #include <cmath>
 #include <tuple>
@@ -630,15 +633,58 @@ void rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum_out, T* o
   });
 }
 
+// silu(x) = x / (1 + exp(-x)) over n floats, as torch's CPU silu computes it: with SLEEF's
+// vector exp (1.0 ULP; torch links it) on AVX-512 and AVX2, so that every element of a row
+// of any batch gets the same bits (a tail goes through a masked or padded vector) and a
+// prefill's rows do not pay a scalar exp per element (with AMX bf16 matmuls, the scalar
+// loop took 12-20 % of a prefill step).
+void silu(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  auto silu16 = [&](__m512 v) {
+    const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(v), _mm512_castps_si512(sign))));  // exp(-x)
+    return _mm512_div_ps(v, _mm512_add_ps(one, e));
+  };
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu16(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, mask, silu16(_mm512_maskz_loadu_ps(mask, x + i)));
+  }
+  return;
+#elif defined(__AVX2__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  auto silu8 = [&](__m256 v) {
+    return _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(v, sign))));
+  };
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float tail[8] = {0.f};
+    std::copy(x + i, x + n, tail);
+    _mm256_storeu_ps(tail, silu8(_mm256_loadu_ps(tail)));
+    std::copy(tail, tail + (n - i), out + i);
+  }
+  return;
+#endif
+  for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
+}
+
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows * inter, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / inter, c = i % inter;
-      const float g = static_cast<float>(gate_up[r * 2 * inter + c]);
-      const float u = static_cast<float>(gate_up[r * 2 * inter + inter + c]);
-      const T act = static_cast<T>(g / (1.f + std::exp(-g)));  // torch's silu, rounded
-      out[i] = static_cast<T>(static_cast<float>(act) * u);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(inter), act(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate_row = gate_up + r * 2 * inter;
+      const T* up_row = gate_row + inter;
+      for (int64_t c = 0; c < inter; ++c) gate[c] = static_cast<float>(gate_row[c]);
+      silu(gate.data(), act.data(), inter);
+      T* dst = out + r * inter;
+      for (int64_t c = 0; c < inter; ++c)  // torch's silu rounded to T, then * up, rounded
+        dst[c] = static_cast<T>(static_cast<float>(static_cast<T>(act[c])) *
+                                static_cast<float>(up_row[c]));
     }
   });
 }

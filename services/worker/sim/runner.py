@@ -188,8 +188,8 @@ class SimStageRunner(StageRunner):
                 f"stage {self.stage.stage_index}: step {step_id} expected activations of "
                 f"{meta.positions.shape[0]} tokens, got {list(wire.shape)}"
             )
-        steps = wire[:, COL_STEP].unique().tolist()
-        if steps != [step_id]:
+        if not bool((wire[:, COL_STEP] == step_id).all()):
+            steps = wire[:, COL_STEP].unique().tolist()
             raise ValueError(
                 f"stage {self.stage.stage_index}: received activations of step(s) {steps} "
                 f"for step {step_id}"

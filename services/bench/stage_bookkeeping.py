@@ -2,10 +2,10 @@
 
     python -m services.bench.stage_bookkeeping [--steps 64] [--repeats 15] [--cases ...]
 
-Plan streams as the scheduler sends them in sync mode: N requests decoding one token a
-step, contexts growing (each a different length; a block appended every block_size tokens),
-and a mix of 32 decodes with one new request's 256-token prefill chunk every step (the
-previous one finished). Columns, CPU microseconds per step (`time.process_time` over
+Plan streams as the scheduler sends them in sync mode: N (1, 32, 256) requests decoding one
+token a step, contexts growing (each a different length; a block appended every block_size
+tokens), and a mix of 32 decodes with one new request's 256-token prefill chunk every step
+(the previous one finished). Columns, CPU microseconds per step (`time.process_time` over
 `--steps` steps, median of `--repeats` runs, so that another process's load on the machine
 shows as spread, not as cost):
 
@@ -59,6 +59,7 @@ class Case:
 CASES = {
     c.name: c
     for c in [
+        Case("decode-1", 1, 128),
         Case("decode-32", 32, 128),
         Case("decode-256", 256, 128),
         Case("decode-256-ctx2k", 256, 2048),

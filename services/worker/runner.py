@@ -3,9 +3,9 @@
 It keeps the per-request state the plans are deltas against (block table, token ids,
 computed-token count, sampling params), turns a plan into one flattened batch
 (input ids / positions / slots / block tables) in a single vectorised numpy pass (the block
-tables live in a persistent array, block_tables.py), runs the
-stage's layers over the paged KV cache and, on the last stage, samples one token for every
-request whose chunk reaches the end of its known tokens.
+tables are rows of a persistent array, block_tables.py), runs the stage's layers over the
+paged KV cache and, on the last stage, samples one token for every request whose chunk
+reaches the end of its known tokens.
 
 Speculative steps (docs/speculative-decoding.md): an entry's proposed tokens are computed
 after its scheduled ones, k + 1 positions in all. The last stage samples each of those rows

@@ -99,16 +99,22 @@ def plan_to_pb(plan: StepPlan, tokens_from_last_stage: bool) -> worker_pb2.StepP
     )
 
 
+def _ints(values) -> list[int]:
+    """A repeated scalar field as a list (a slice: twice as fast as list() on upb, and
+    most of a plan's fields are empty)."""
+    return values[:] if values else []
+
+
 def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=msg.step_id,
         new_requests=[
             NewRequest(
                 request_id=r.request_id,
-                token_ids=list(r.token_ids),
+                token_ids=_ints(r.token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling=sampling_from_pb(r.sampling),
-                block_ids=list(r.block_ids),
+                block_ids=_ints(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
             )
@@ -118,16 +124,16 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
             CachedRequest(
                 request_id=r.request_id,
                 num_scheduled_tokens=r.num_scheduled_tokens,
-                new_block_ids=list(r.new_block_ids),
-                new_token_ids=list(r.new_token_ids),
-                spec_token_ids=list(r.spec_token_ids),
+                new_block_ids=_ints(r.new_block_ids),
+                new_token_ids=_ints(r.new_token_ids),
+                spec_token_ids=_ints(r.spec_token_ids),
                 num_computed_tokens=(
                     r.num_computed_tokens if r.HasField("num_computed_tokens") else None
                 ),
             )
             for r in msg.cached_requests
         ],
-        finished_request_ids=list(msg.finished_request_ids),
+        finished_request_ids=msg.finished_request_ids[:],
     )
 
 

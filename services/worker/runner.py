@@ -2,9 +2,10 @@
 
 It keeps the per-request state the plans are deltas against (block table, token ids,
 computed-token count, sampling params), turns a plan into one flattened batch
-(input ids / positions / slots / block tables) in a single vectorised pass, runs the
-stage's layers over the paged KV cache and, on the last stage, samples one token for every
-request whose chunk reaches the end of its known tokens.
+(input ids / positions / slots / block tables) in a single vectorised numpy pass (the block
+tables are rows of a persistent array, block_tables.py), runs the stage's layers over the
+paged KV cache and, on the last stage, samples one token for every request whose chunk
+reaches the end of its known tokens.
 
 Speculative steps (docs/speculative-decoding.md): an entry's proposed tokens are computed
 after its scheduled ones, k + 1 positions in all. The last stage samples each of those rows
@@ -18,12 +19,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.metadata import AttentionMetadata
 from services.common.errors import UnknownRequest
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan, StepResult
+from services.worker.block_tables import BlockTables
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec
 from services.worker.model.config import ModelConfig
@@ -45,7 +48,8 @@ class RequestState:
     """Prompt + outputs known to this stage (stage 0 and the last stage keep it exact)."""
     num_prompt_tokens: int
     sampling: SamplingParams
-    block_ids: list[int]
+    row: int
+    """Its block table's row in the runner's `BlockTables`."""
     num_computed_tokens: int
 
 
@@ -105,6 +109,8 @@ class StageRunner:
         # the sampler masks those same ids until min_tokens.
         self.eos_token_ids = model.config.eos_token_ids
         self.requests: dict[str, RequestState] = {}
+        """Held requests; dropping one (here or by a caller) frees its block table row."""
+        self.block_tables = BlockTables(lambda: (s.row for s in self.requests.values()))
         self.timing = StepTiming()
         self.last_timing = StepTiming()
         self.last_logits: torch.Tensor | None = None
@@ -168,7 +174,7 @@ class StageRunner:
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 new.sampling,
-                list(new.block_ids),
+                self.block_tables.add(new.block_ids),
                 new.num_computed_tokens,
             )
             self.requests[new.request_id] = state
@@ -182,8 +188,10 @@ class StageRunner:
                     f"step {plan.step_id}: stage {self.stage.stage_index} does not hold request "
                     f"{cached.request_id!r} (never sent as new, or already finished)"
                 )
-            state.block_ids.extend(cached.new_block_ids)
-            self._check_spec(plan.step_id, state, cached)
+            if cached.new_block_ids:
+                self.block_tables.append(state.row, cached.new_block_ids)
+            if cached.spec_token_ids or cached.num_computed_tokens is not None:
+                self._check_spec(plan.step_id, state, cached)
             if cached.num_computed_tokens is not None:  # rolls back rejected proposals
                 state.num_computed_tokens = cached.num_computed_tokens
             needed = state.num_computed_tokens + cached.num_scheduled_tokens
@@ -225,45 +233,47 @@ class StageRunner:
     def _prepare(self, batch: ScheduledBatch) -> tuple[AttentionMetadata, torch.Tensor | None]:
         """Metadata (and stage 0's input ids) of the flattened batch, built in one pass."""
         block_size = self.kv_cache.block_size
-        starts = [s.num_computed_tokens for s in batch.states]
-        query_lens = torch.tensor(batch.num_scheduled, dtype=torch.int64)
-        seq_lens = torch.tensor(starts, dtype=torch.int64) + query_lens  # [B]
-        max_blocks = max(len(s.block_ids) for s in batch.states)
-        block_tables = torch.tensor(
-            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.states],
-            dtype=torch.int64,
-        )  # [B, max_blocks]
-        query_start_loc = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))  # [B + 1]
+        states = batch.states
+        num_seqs = len(states)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)  # [B]
+        rows = np.fromiter((s.row for s in states), np.int64, num_seqs)  # [B]
+        query_lens = np.array(batch.num_scheduled, dtype=np.int64)  # [B]
+        seq_lens = starts + query_lens  # [B]
+        block_tables = self.block_tables.gather(rows)  # [B, max_blocks] int32
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        seq_of_row = torch.repeat_interleave(torch.arange(len(starts)), query_lens)  # [T]
-        positions = (
-            torch.arange(num_tokens)
-            - query_start_loc[seq_of_row]
-            + (seq_lens - query_lens)[seq_of_row]
-        )  # [T]
+        seq_of_row = np.repeat(np.arange(num_seqs), query_lens)  # [T]
+        positions = np.arange(num_tokens) - query_start_loc[seq_of_row] + starts[seq_of_row]
         slot_mapping = (
-            block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+            block_tables[seq_of_row, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
         )  # [T]
         input_ids = None
         if self.stage.is_first:
-            ids: list[int] = []
-            rows = zip(batch.states, starts, batch.num_scheduled, batch.spec_token_ids, strict=True)
-            for state, start, num, spec in rows:
-                ids.extend(state.token_ids[start : start + num - len(spec)])
-                ids.extend(spec)
-            if len(ids) != num_tokens:
-                raise ValueError("a scheduled request lacks the input tokens of this step")
-            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            input_ids = self._input_ids(batch, starts.tolist(), num_tokens)
+        device = self.device
         meta = AttentionMetadata(
-            positions=positions.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
-            seq_lens=seq_lens.to(torch.int32).to(self.device),
-            block_tables=block_tables.to(torch.int32).to(self.device),
+            positions=torch.from_numpy(positions).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
             max_query_len=max(batch.num_scheduled),
             max_seq_len=int(seq_lens.max()),
         )
         return meta, input_ids
+
+    def _input_ids(self, batch: ScheduledBatch, starts: list[int], num_tokens: int) -> torch.Tensor:
+        """[T] the tokens stage 0 embeds: each request's chunk, then its proposed tokens."""
+        ids: list[int] = []
+        rows = zip(batch.states, starts, batch.num_scheduled, batch.spec_token_ids, strict=True)
+        for state, start, num, spec in rows:
+            ids += state.token_ids[start : start + num - len(spec)]
+            ids += spec
+        if len(ids) != num_tokens:
+            raise ValueError("a scheduled request lacks the input tokens of this step")
+        return torch.from_numpy(np.array(ids, dtype=np.int64)).to(self.device)
 
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -323,27 +333,30 @@ class StageRunner:
         proposal's first i tokens as its latest outputs (penalties, min_tokens, the seeded
         generator's position), exactly as a step without speculation would sample there.
         """
-        rows, states, specs, outputs = [], [], [], []
+        rows, states, specs = [], [], []
         ends = meta.query_start_loc[1:].tolist()
         for state, end, spec in zip(batch.states, ends, batch.spec_token_ids, strict=True):
             if state.num_computed_tokens < len(state.token_ids) + len(spec):
                 continue
             states.append(state)
             specs.append(spec)
-            known_outputs = state.token_ids[state.num_prompt_tokens :]
-            for i in range(len(spec) + 1):
-                rows.append(end - 1 - len(spec) + i)
-                outputs.append(known_outputs + spec[:i])
+            rows.extend(range(end - 1 - len(spec), end))
         if not states:
             return StepResult(step_id, [], [])
-        row_states = [
-            s for s, spec in zip(states, specs, strict=True) for _ in range(len(spec) + 1)
-        ]
         logits = self.model.compute_logits(hidden[rows])  # [R, V] float32; None: tp rank > 0
         logprobs = None
         if logits is not None and all(self._is_plain_greedy(s) for s in states):
             sampled = logits.argmax(dim=-1)  # what the sampler gives them, without its tensors
         elif logits is not None:
+            # per row: its request, and the outputs it is sampled after (copies: only here)
+            row_states = [
+                s for s, spec in zip(states, specs, strict=True) for _ in range(len(spec) + 1)
+            ]
+            outputs = [
+                s.token_ids[s.num_prompt_tokens :] + spec[:i]
+                for s, spec in zip(states, specs, strict=True)
+                for i in range(len(spec) + 1)
+            ]
             sampling_batch = SamplingBatch.from_requests(
                 [s.sampling for s in row_states],
                 [s.token_ids[: s.num_prompt_tokens] for s in row_states],

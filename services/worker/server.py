@@ -217,13 +217,21 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         try:
             async for msg in request_iterator:
                 for plan in (msg, *msg.following):  # several plans joined in one message
+                    error = None
                     if plan.following and plan is not msg:
                         error = f"stage {self.stage}: step {plan.step_id} nests plans (never sent)"
+                    else:
+                        try:  # a peer's plan is checked like a client's request (sampling)
+                            step = plan_from_pb(plan)
+                        except ValueError as exc:
+                            error = f"stage {self.stage}: step {plan.step_id} is malformed: {exc}"
+                    if error is not None:  # the session ends: the scheduler re-forms it
+                        logger.error("%s", error)
                         reports.put_nowait(StepOutcome(plan.step_id, None, error=error))
                         return
                     if observer is not None:
                         observer.on_plan(plan)
-                    self.engine.submit(plan_from_pb(plan), plan.tokens_from_last_stage)
+                    self.engine.submit(step, plan.tokens_from_last_stage)
         finally:
             reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
 

@@ -196,6 +196,9 @@ def test_draft_model_with_another_vocabulary_is_refused(
         ('{"method": "ngram", "model": "/m"}', '"model" is for method "draft_model"'),
         ('{"method": "eagle"}', "is not one of"),
         ('{"model": "/m", "draft_timeout_s": 0}', "draft_timeout_s=0 is out of range"),
+        ('{"model": 5}', "model=5 is not a directory name"),
+        ('{"model": ["/m"]}', "model=\\['/m'\\] is not a directory name"),
+        ('{"method": "ngram", "model": 0}', "model=0 is not a directory name"),
     ],
 )
 def test_draft_config_errors_say_what_is_wrong(text, message):

@@ -30,6 +30,7 @@ from services.common.errors import InvalidRequest
 from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.ownership import check_request_key
 from services.worker.runner import MAX_SPEC_TOKENS, StageRunner
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Drafter:
 
     def propose(self, sequences: list[DraftSequence], finished_ids: list[str]) -> DraftOutput:
         """Greedy proposals for `sequences` after freeing `finished_ids`. Raises
-        InvalidRequest when a sequence is malformed (token ids, k, duplicates)."""
+        InvalidRequest when a sequence is malformed (request ids, token ids, k, duplicates)."""
         for request_id in finished_ids:
             self.free(request_id)
         self._check(sequences)
@@ -134,6 +135,7 @@ class Drafter:
         seen = set()
         vocab_size = self.vocab_size
         for seq in sequences:
+            check_request_key(seq.request_id)
             if seq.request_id in seen:
                 raise InvalidRequest(f"request {seq.request_id!r} appears twice in one call")
             seen.add(seq.request_id)

@@ -1,0 +1,96 @@
+"""The draft worker (`conveyor worker --draft`) as a hostile caller meets it: a real process
+with an internal token. Without the token nothing but health answers; with it, every
+malformed Propose is refused with INVALID_ARGUMENT naming what is wrong, and the worker
+keeps serving well-formed calls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from services.common.proto.conveyor.v1 import draft_pb2, draft_pb2_grpc, worker_pb2
+from services.launcher import wait_serving
+from tests.conftest import free_port
+from tests.security.utils import ROOT
+
+TOKEN = "draft-test-token"
+BEARER = (("authorization", f"Bearer {TOKEN}"),)
+Seq = draft_pb2.DraftSequence
+
+
+@pytest.fixture(scope="module")
+def draft_stub(security_model_dir, tmp_path_factory):
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "worker", "--draft", "--host", "127.0.0.1"]
+    argv += ["--model", str(security_model_dir), "--port", str(port), "--threads", "1"]
+    argv += ["--kv-cache-memory", "8MiB"]
+    log = tmp_path_factory.mktemp("draft") / "draft.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_INTERNAL_TOKEN": TOKEN}
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=out)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, 300, proc)
+        with grpc.insecure_channel(address) as channel:
+            yield draft_pb2_grpc.DraftWorkerStub(channel)
+    except BaseException:
+        print(log.read_text()[-5000:], file=sys.stderr)
+        raise
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _propose(stub, *sequences: Seq, metadata=BEARER) -> draft_pb2.ProposeResponse:
+    return stub.Propose(
+        draft_pb2.ProposeRequest(sequences=sequences), metadata=metadata, timeout=60
+    )
+
+
+def test_draft_worker_refuses_callers_without_the_internal_token(draft_stub):
+    for metadata in (None, (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            _propose(
+                draft_stub, Seq(request_id="a", token_ids=[1, 2], num_tokens=2), metadata=metadata
+            )
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            draft_stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=10)
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"),
+    [
+        ([Seq(request_id="a", token_ids=[1, 2], num_tokens=1000)], "num_tokens=1000"),
+        ([Seq(request_id="a", token_ids=[1, 2], num_tokens=0)], "num_tokens=0"),
+        ([Seq(request_id="a", token_ids=[1, 10**9], num_tokens=2)], "vocabulary"),
+        ([Seq(request_id="a", token_ids=[1], num_tokens=2)] * 2, "appears twice"),
+        ([Seq(request_id="", token_ids=[1], num_tokens=2)], "request id"),
+        ([Seq(request_id="x" * 100_000, token_ids=[1], num_tokens=2)], "request id"),
+        ([Seq(request_id="a\nWARNING forged", token_ids=[1], num_tokens=2)], "request id"),
+    ],
+)
+def test_draft_worker_refuses_malformed_proposals(draft_stub, sequences, message):
+    with pytest.raises(grpc.RpcError) as err:
+        _propose(draft_stub, *sequences)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details() and len(err.value.details()) < 500
+    # and it serves the next well-formed call (a scheduler's id: principal/id)
+    reply = _propose(draft_stub, Seq(request_id="alice/r-1", token_ids=[5, 6, 7], num_tokens=2))
+    assert [len(p.token_ids) for p in reply.proposals] == [2]
+
+
+def test_draft_worker_answers_unknown_and_oversized_requests_without_failing(draft_stub):
+    # start past what it holds: named unknown (the scheduler sends it whole)
+    reply = _propose(
+        draft_stub, Seq(request_id="ghost", start=1 << 31, token_ids=[1], num_tokens=2)
+    )
+    assert list(reply.unknown_request_ids) == ["ghost"]
+    # longer than the draft model's context (256): no proposal, no error
+    reply = _propose(draft_stub, Seq(request_id="long", token_ids=[3] * 5000, num_tokens=2))
+    assert list(reply.proposals) == [] and list(reply.unknown_request_ids) == []

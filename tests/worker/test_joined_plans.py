@@ -128,3 +128,9 @@ def test_worker_reports_a_malformed_plan_rather_than_ending_silently(worker):
     reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
     errors = [(r.step_id, r.error) for r in reports if r.error]
     assert [s for s, e in errors if "malformed" in e and "temperature" in e] == [1], errors
+
+
+def test_worker_refuses_a_step_id_that_does_not_increase(worker):
+    msg = worker_pb2.StepPlan(step_id=5, following=[worker_pb2.StepPlan(step_id=3)])
+    reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
+    assert [r.step_id for r in reports if "came after step 5" in r.error] == [3]

@@ -66,6 +66,13 @@ class SlowDrafter(Drafter):
         return super().propose(sequences, finished_ids)
 
 
+class ShortDrafter(Drafter):
+    """A draft model with a context of 24 tokens, shorter than most requests here."""
+
+    def __init__(self, runner, max_model_len):
+        super().__init__(runner, 24)
+
+
 async def _serve_draft(model_dir, drafter_cls=Drafter) -> tuple[GrpcServer, str]:
     port = free_port()
     server = GrpcServer("draft worker", "127.0.0.1", port, ["conveyor.v1.DraftWorker"])
@@ -159,6 +166,15 @@ def test_draft_worker_that_loses_its_state_gets_requests_whole(target, prompts, 
     drafts = stack.service.drafts
     assert drafts.counters.num_resent > 0
     assert stack.service.scheduler.spec_stats.acceptance_rate > 0.9
+
+
+def test_requests_past_the_draft_models_context_are_not_sent(target, prompts, plain, redis_url):
+    stack, tokens = run(target, prompts, "async", redis_url, draft=target, drafter_cls=ShortDrafter)
+    assert tokens == plain
+    drafts = stack.service.drafts
+    assert drafts.counters.num_resent == 0, "requests it cannot hold were sent whole every step"
+    assert drafts.counters.num_failures == 0
+    assert stack.service.scheduler.spec_stats.num_steps > 0  # the short ones speculate
 
 
 def test_draft_worker_down_requests_still_finish(target, prompts, plain, redis_url):

@@ -1,8 +1,8 @@
 """Faults with speculation on: 32 streams through a `conveyor up` stack (tiny model, 2
 stages, async) whose scheduler asks a draft worker (the target as its own draft, so nearly
 every proposal is accepted and most steps carry proposals) while the draft worker, a stage
-worker, the scheduler or Redis dies. Many streams at once make the scheduler apply several
-reports per Redis flush and join queued plans into one message.
+worker, the scheduler or Redis dies. Many streams at once are the load under which the
+scheduler applies several reports per Redis flush and joins queued plans into one message.
 
 As without speculation (test_faults.py): every stream gets exactly the tokens of an
 undisturbed run or a clear status, KV and Redis end empty; a dead draft worker only stops

@@ -229,4 +229,6 @@ def test_draft_config_in_vllm_form_and_scheduler_flags():
         SchedulerConfig(speculative=spec)
     with pytest.raises(ConfigError, match="--draft-worker is used by"):
         SchedulerConfig(draft_worker="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="draft worker address 'draft' must be HOST:PORT"):
+        SchedulerConfig(speculative=spec, draft_worker="draft")
     assert SchedulerConfig(speculative=spec, draft_worker="127.0.0.1:1").draft_worker

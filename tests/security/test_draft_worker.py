@@ -94,3 +94,11 @@ def test_draft_worker_answers_unknown_and_oversized_requests_without_failing(dra
     # longer than the draft model's context (256): no proposal, no error
     reply = _propose(draft_stub, Seq(request_id="long", token_ids=[3] * 5000, num_tokens=2))
     assert list(reply.proposals) == [] and list(reply.unknown_request_ids) == []
+
+
+def test_draft_worker_takes_a_batch_as_large_as_a_stage_worker_does(draft_stub):
+    """A scheduler's first call sends every candidate whole: 1,000 requests of 2,600 tokens
+    is ~5 MB, past gRPC's default 4 MiB receive limit (a stage worker takes 64 MiB)."""
+    sequences = [Seq(request_id=f"r{i}", token_ids=[300] * 2600, num_tokens=2) for i in range(1000)]
+    reply = _propose(draft_stub, *sequences)  # past the context (256): no proposals
+    assert list(reply.proposals) == [] and list(reply.unknown_request_ids) == []

@@ -5,14 +5,23 @@ keeps serving well-formed calls."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from services.common.proto.conveyor.v1 import draft_pb2, draft_pb2_grpc, worker_pb2
+from services.client.client import ConveyorClient
+from services.common.proto.conveyor.v1 import (
+    draft_pb2,
+    draft_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+)
 from services.launcher import wait_serving
 from tests.conftest import free_port
 from tests.security.utils import ROOT
@@ -102,3 +111,47 @@ def test_draft_worker_takes_a_batch_as_large_as_a_stage_worker_does(draft_stub):
     sequences = [Seq(request_id=f"r{i}", token_ids=[300] * 2600, num_tokens=2) for i in range(1000)]
     reply = _propose(draft_stub, *sequences)  # past the context (256): no proposals
     assert list(reply.proposals) == [] and list(reply.unknown_request_ids) == []
+
+
+@pytest.mark.slow
+def test_up_gives_its_internal_token_to_the_draft_worker_and_the_scheduler(
+    security_model_dir, tmp_path
+):
+    """With a token, a scheduler that did not present it to its draft worker would only
+    ever fail its calls: speculation off, requests fine, nothing else to notice."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    spec = {"model": str(security_model_dir), "num_speculative_tokens": 3, "draft_timeout_s": 30}
+    port, scheduler_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--no-http", "--stages", "1"]
+    argv += ["--model", str(security_model_dir), "--speculative-config", json.dumps(spec)]
+    argv += ["--port", str(port), "--scheduler-port", str(scheduler_port), "--threads", "1"]
+    argv += ["--kv-cache-memory", "16MiB", "--cpu-affinity", "off"]
+    argv += ["--internal-token-file", str(token_file)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=out
+        )
+    try:
+        wait_serving(f"127.0.0.1:{port}", 300, proc)
+        with ConveyorClient(f"127.0.0.1:{port}", timeout_s=120) as client:
+            result = client.complete("hello", max_tokens=16, ignore_eos=True)
+        assert len(result.token_ids) == 16
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), metadata=BEARER, timeout=30
+            )
+    except BaseException:
+        print(log.read_text()[-5000:], file=sys.stderr)
+        raise
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert stats.num_draft_calls > 0 and stats.num_draft_failures == 0, stats.draft_problem
+    assert stats.num_spec_accepted_tokens > 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.common.affinity import available_cpus, default_threads, stage_cpus
 from services.common.config import default_of
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port
 from services.common.security import (
@@ -280,7 +280,6 @@ def check_parallel(args: argparse.Namespace) -> int:
             f"--tensor-parallel-size={tp_size} runs real ranks; with --device sim model them "
             "with --sim-tensor-parallel-size"
         )
-    from services.common.errors import ModelLoadError
     from services.worker.model.config import ModelConfig
     from services.worker.model.tensor_parallel import check_tensor_parallel
 
@@ -412,7 +411,14 @@ def check_draft_model(args: argparse.Namespace) -> None:
         return
     if args.device == "sim":
         raise ConfigError("a draft model runs on a real device: --device sim takes none")
-    draft, target = ModelConfig.from_dir(spec.model), ModelConfig.from_dir(args.model)
+    try:
+        draft = ModelConfig.from_dir(spec.model)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--speculative-config: the draft model {spec.model}: {exc}") from None
+    try:
+        target = ModelConfig.from_dir(args.model)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--model {args.model}: {exc}") from None
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(
             f"--speculative-config: the draft model {spec.model} has a vocabulary of "

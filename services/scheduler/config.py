@@ -249,6 +249,8 @@ class SchedulerConfig:
         for address in self.workers:
             if ":" not in address:
                 raise ConfigError(f"worker address {address!r} must be HOST:PORT")
+        if self.draft_worker is not None and ":" not in self.draft_worker:
+            raise ConfigError(f"draft worker address {self.draft_worker!r} must be HOST:PORT")
         if self.otlp_endpoint:
             from services.common.telemetry import check_endpoint
 

@@ -9,6 +9,7 @@ correctness or liveness:
   runs without them, and the client rests (no call for a few timeouts) before it tries again;
 * a draft worker that lost a request's state (restarted, evicted it) says so, and the
   request is sent again whole in a second call (within the same timeout);
+* a request as long as the draft model's context (Describe's max_model_len) is not sent;
 * a draft model whose vocabulary differs from the target's is refused for good (it would
   propose ids that mean other words), logged once and reported in `problem`.
 """
@@ -69,6 +70,8 @@ class DraftClient:
         self._is_checked = False
         self._is_refused = False
         self._rest_until = 0.0
+        self.max_model_len: int | None = None
+        """The draft model's context (Describe); longer requests are not sent."""
         self._num_sent: dict[str, int] = {}
         """Per request, the tokens the draft worker got from earlier calls."""
 
@@ -89,6 +92,9 @@ class DraftClient:
                 await self._check(deadline)
                 if self._is_refused:
                     return {}
+            candidates = self._within_context(candidates)
+            if not candidates:
+                return {}
             finished = [r for r in self._num_sent if r not in live_ids]
             proposals, unknown = await self._call(candidates, finished, deadline)
             for request_id in finished:
@@ -104,6 +110,15 @@ class DraftClient:
             logger.info("the draft worker at %s answers again", self.address)
             self.problem = None
         return proposals
+
+    def _within_context(self, candidates: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The candidates the draft model's context has room for, k cut to fit: a longer
+        request would be skipped by the draft worker, named unknown at its next call, and
+        sent whole again every step for nothing."""
+        limit = self.max_model_len
+        if limit is None:
+            return candidates
+        return [(r, min(k, limit - r.num_tokens)) for r, k in candidates if r.num_tokens < limit]
 
     async def _call(
         self, candidates: list[tuple[Request, int]], finished: list[str], deadline: float
@@ -147,6 +162,7 @@ class DraftClient:
         )
         if not info.ready:
             raise asyncio.TimeoutError("the draft model is still loading")
+        self.max_model_len = info.max_model_len or None
         if info.vocab_size != self.vocab_size:
             self._is_refused = True
             self.problem = (

@@ -22,9 +22,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.common.errors import InvalidRequest
-from services.common.limits import check_request_id
+from services.common.limits import check_request_id, clip
 
 _PRINCIPAL = re.compile(r"\A[A-Za-z0-9._@-]{0,64}\Z")
+_KEY = re.compile(r"\A(?:[A-Za-z0-9._@-]{1,64}/)?[A-Za-z0-9._:-]{1,128}\Z")
+"""What `request_key` returns: the form a service behind the scheduler checks ids against."""
 
 
 def request_key(principal: str, request_id: str) -> str:
@@ -41,6 +43,16 @@ def request_key(principal: str, request_id: str) -> str:
         )
     check_request_id(request_id)  # the client's id: letters, digits, ".", "_", ":", "-"
     return f"{principal}/{request_id}" if principal else request_id
+
+
+def check_request_key(key: str) -> None:
+    """Raises InvalidRequest unless `key` has the form of `request_key`'s result: what a
+    draft worker checks the ids it is sent against (they reach its logs)."""
+    if not _KEY.match(key):
+        raise InvalidRequest(
+            f"request id {clip(key)} is not a scheduler's request id: [principal/]id, a "
+            "principal of 1 to 64 of [A-Za-z0-9._@-], an id of 1 to 128 of [A-Za-z0-9._:-]"
+        )
 
 
 def is_owner(expected: str | None, presented: str) -> bool:

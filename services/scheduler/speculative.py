@@ -51,6 +51,11 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-config: method={self.method!r} is not one of {list(METHODS)}"
             )
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(
+                f"--speculative-config: model={self.model!r} is not a directory name: give "
+                'the draft model\'s directory as a string, e.g. "model": "/models/draft"'
+            )
         if self.method == "draft_model" and not self.model:
             raise ConfigError(
                 '--speculative-config: method "draft_model" needs "model": the draft '

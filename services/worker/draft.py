@@ -12,8 +12,12 @@ tokens whose KV it computed; each call sends only what is new (docs/speculative-
     propose:  one prefill chunk of the new positions, then k - 1 one-token decode steps,
               the whole batch at once; the proposal is the k greedy tokens
 
-A request it holds no state for (it restarted, or evicted it for room) while `start` > 0
-is answered as unknown: the scheduler sends it again whole, and it is recomputed.
+A request it holds no state for (it restarted, evicted it for room, or had no room for its
+new tokens in the last call) while `start` > 0 is answered as unknown: the scheduler sends
+it again whole, and it is recomputed. The scheduler counts every request of an answered
+call as holding what it sent, so one the worker did not compute must be forgotten here:
+extending its old state would put the worker's own rejected drafts where the target's
+tokens go.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from services.common.errors import InvalidRequest
 from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.ownership import check_request_key
 from services.worker.runner import MAX_SPEC_TOKENS, StageRunner
 
 logger = logging.getLogger(__name__)
@@ -86,7 +91,7 @@ class Drafter:
 
     def propose(self, sequences: list[DraftSequence], finished_ids: list[str]) -> DraftOutput:
         """Greedy proposals for `sequences` after freeing `finished_ids`. Raises
-        InvalidRequest when a sequence is malformed (token ids, k, duplicates)."""
+        InvalidRequest when a sequence is malformed (request ids, token ids, k, duplicates)."""
         for request_id in finished_ids:
             self.free(request_id)
         self._check(sequences)
@@ -102,10 +107,14 @@ class Drafter:
                 continue
             tokens = (state.token_ids[: seq.start] if seq.start else []) + seq.token_ids
             num_tokens = min(seq.num_tokens, self.max_model_len - len(tokens))
-            if not tokens or num_tokens <= 0:
-                continue
-            if self._schedule(plan, seq, tokens, num_tokens, batch_ids):
+            if (
+                tokens
+                and num_tokens > 0
+                and self._schedule(plan, seq, tokens, num_tokens, batch_ids)
+            ):
                 wanted[seq.request_id] = (len(tokens), num_tokens)
+            else:  # not computed: forget it, or its next call would extend stale tokens
+                self.free(seq.request_id)
         if not wanted:
             return out
         self.runner.execute(plan)
@@ -126,6 +135,7 @@ class Drafter:
         seen = set()
         vocab_size = self.vocab_size
         for seq in sequences:
+            check_request_key(seq.request_id)
             if seq.request_id in seen:
                 raise InvalidRequest(f"request {seq.request_id!r} appears twice in one call")
             seen.add(seq.request_id)

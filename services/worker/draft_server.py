@@ -79,6 +79,8 @@ async def serve(config: WorkerConfig) -> None:
         config.host,
         config.port,
         [_SERVICE],
+        # as a stage worker: a scheduler's first call sends every candidate whole
+        options=[("grpc.max_receive_message_length", 64 << 20)],
         security=security,
         health_port=config.health_port,
     )

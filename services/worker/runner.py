@@ -169,6 +169,7 @@ class StageRunner:
             self.requests.pop(request_id, None)
         batch = ScheduledBatch([], [], [])
         for new in plan.new_requests:
+            self._check_ids(plan.step_id, new.request_id, new.token_ids, new.block_ids)
             state = RequestState(
                 new.request_id,
                 list(new.token_ids),
@@ -187,6 +188,10 @@ class StageRunner:
                 raise UnknownRequest(
                     f"step {plan.step_id}: stage {self.stage.stage_index} does not hold request "
                     f"{cached.request_id!r} (never sent as new, or already finished)"
+                )
+            if cached.new_token_ids or cached.new_block_ids:
+                self._check_ids(
+                    plan.step_id, cached.request_id, cached.new_token_ids, cached.new_block_ids
                 )
             if cached.new_block_ids:
                 self.block_tables.append(state.row, cached.new_block_ids)
@@ -210,6 +215,21 @@ class StageRunner:
             batch.num_scheduled.append(cached.num_step_tokens)
             batch.spec_token_ids.append(cached.spec_token_ids)
         return batch
+
+    def _check_ids(
+        self, step_id: int, request_id: str, token_ids: list[int], block_ids: list[int]
+    ) -> None:
+        """A plan's ids index the embedding and the KV cache: one past them fails the step
+        here, with a message (on CUDA, indexing with it is a device assert that ends the
+        process; on CPU an IndexError that says nothing of the plan)."""
+        where = f"step {step_id}: request {request_id!r}"
+        vocab_size, num_blocks = self.model.config.vocab_size, self.kv_cache.num_blocks
+        if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"{where}: token id {bad} is outside [0, {vocab_size})")
+        if block_ids and not (min(block_ids) >= 0 and max(block_ids) < num_blocks):
+            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+            raise ValueError(f"{where}: block id {bad} is outside the KV cache [0, {num_blocks})")
 
     def _check_spec(self, step_id: int, state: RequestState, cached) -> None:
         """A plan's speculative fields must be possible: a bad one fails the step."""

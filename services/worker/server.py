@@ -212,20 +212,40 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         return worker_pb2.CommitWeightsResponse(weight_version=version)
 
     async def _read_plans(self, request_iterator, reports: asyncio.Queue) -> None:
-        """Feeds plans to the engine; puts None on `reports` when the stream ends."""
+        """Feeds plans to the engine; puts None on `reports` when the stream ends. A plan
+        that cannot be run ends the session with an error report naming its step (the
+        scheduler re-forms the pipeline)."""
         observer = self.observer
+        last_step_id = None
         try:
             async for msg in request_iterator:
                 for plan in (msg, *msg.following):  # several plans joined in one message
-                    if plan.following and plan is not msg:
-                        error = f"stage {self.stage}: step {plan.step_id} nests plans (never sent)"
+                    try:
+                        step = _parse_plan(plan, plan is not msg, last_step_id)
+                    except ValueError as exc:
+                        error = f"stage {self.stage}: step {plan.step_id} {exc}"
+                        logger.error("%s", error)
                         reports.put_nowait(StepOutcome(plan.step_id, None, error=error))
                         return
+                    last_step_id = plan.step_id
                     if observer is not None:
                         observer.on_plan(plan)
-                    self.engine.submit(plan_from_pb(plan), plan.tokens_from_last_stage)
+                    self.engine.submit(step, plan.tokens_from_last_stage)
         finally:
             reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
+
+
+def _parse_plan(msg: worker_pb2.StepPlan, is_joined: bool, last_step_id: int | None):
+    """The plan of `msg`, checked like a client's request where it enters the worker;
+    raises ValueError saying what is wrong (after "step N")."""
+    if is_joined and msg.following:
+        raise ValueError("nests plans (never sent)")
+    if last_step_id is not None and msg.step_id <= last_step_id:
+        raise ValueError(f"came after step {last_step_id}: step ids only increase in a session")
+    try:
+        return plan_from_pb(msg)  # sampling parameters are validated here
+    except ValueError as exc:
+        raise ValueError(f"is malformed: {exc}") from exc
 
 
 async def serve(config: WorkerConfig) -> None:

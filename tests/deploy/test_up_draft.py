@@ -59,3 +59,9 @@ def test_up_refuses_a_draft_model_with_another_vocabulary(monkeypatch, models):
     target, _, other_vocab = models
     with pytest.raises(ConfigError, match="vocabulary of 640 tokens.*512"):
         started(monkeypatch, target, other_vocab)
+
+
+def test_up_refuses_a_draft_model_directory_without_a_model(monkeypatch, models, tmp_path):
+    target, _, _ = models
+    with pytest.raises(ConfigError, match="--speculative-config: the draft model .*config.json"):
+        started(monkeypatch, target, tmp_path / "nothing-here")

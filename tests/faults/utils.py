@@ -101,13 +101,21 @@ class Outcome:
 class UpStack:
     """`conveyor up` as a child process, over `redis` (the test's)."""
 
-    def __init__(self, model_dir: Path, redis_proc: RedisProcess, log: Path, *scheduler_args):
+    def __init__(
+        self,
+        model_dir: Path,
+        redis_proc: RedisProcess,
+        log: Path,
+        *scheduler_args: str,
+        up_args: tuple[str, ...] = (),
+    ):
         self.port, self.scheduler_port = free_port(), free_port()
         argv = [sys.executable, "-m", "services.cli", "up", "--no-http", "--model", str(model_dir)]
         argv += ["--stages", "2", "--threads", "1", "--kv-cache-memory", "32MiB"]
         argv += ["--port", str(self.port), "--scheduler-port", str(self.scheduler_port)]
         argv += ["--redis-url", redis_proc.url, "--max-restarts", "20"]
         argv += [f"--scheduler-arg={a}" for a in scheduler_args]
+        argv += up_args
         self.log = log.open("w")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
@@ -125,7 +133,8 @@ class UpStack:
 
     # -- the children -------------------------------------------------------------------
     def child_pid(self, kind: str) -> int:
-        """The pid of the live child `kind`: "router", "scheduler", "worker 0", "worker 1"."""
+        """The pid of the live child `kind`: "router", "scheduler", "worker 0", "worker 1",
+        "worker draft" (the draft worker of a draft-model speculative config)."""
         words = kind.split()
         for pid in _children(self.proc.pid):
             try:
@@ -133,9 +142,11 @@ class UpStack:
             except OSError:
                 continue
             args = [a.decode() for a in cmdline]
-            if words[0] in args and (
-                len(words) == 1 or args[args.index("--stage") + 1] == words[1]
-            ):
+            if words[0] not in args:
+                continue
+            if len(words) == 1 or (words[1] == "draft" and "--draft" in args):
+                return pid
+            if "--stage" in args and args[args.index("--stage") + 1] == words[1]:
                 return pid
         raise LookupError(f"no live {kind} under conveyor up")
 

@@ -66,6 +66,13 @@ class SlowDrafter(Drafter):
         return super().propose(sequences, finished_ids)
 
 
+class ShortDrafter(Drafter):
+    """A draft model with a context of 24 tokens, shorter than most requests here."""
+
+    def __init__(self, runner, max_model_len):
+        super().__init__(runner, 24)
+
+
 async def _serve_draft(model_dir, drafter_cls=Drafter) -> tuple[GrpcServer, str]:
     port = free_port()
     server = GrpcServer("draft worker", "127.0.0.1", port, ["conveyor.v1.DraftWorker"])
@@ -161,6 +168,15 @@ def test_draft_worker_that_loses_its_state_gets_requests_whole(target, prompts, 
     assert stack.service.scheduler.spec_stats.acceptance_rate > 0.9
 
 
+def test_requests_past_the_draft_models_context_are_not_sent(target, prompts, plain, redis_url):
+    stack, tokens = run(target, prompts, "async", redis_url, draft=target, drafter_cls=ShortDrafter)
+    assert tokens == plain
+    drafts = stack.service.drafts
+    assert drafts.counters.num_resent == 0, "requests it cannot hold were sent whole every step"
+    assert drafts.counters.num_failures == 0
+    assert stack.service.scheduler.spec_stats.num_steps > 0  # the short ones speculate
+
+
 def test_draft_worker_down_requests_still_finish(target, prompts, plain, redis_url):
     stack, tokens = run(target, prompts, "async", redis_url, draft=target, down=True)
     assert tokens == plain
@@ -196,6 +212,9 @@ def test_draft_model_with_another_vocabulary_is_refused(
         ('{"method": "ngram", "model": "/m"}', '"model" is for method "draft_model"'),
         ('{"method": "eagle"}', "is not one of"),
         ('{"model": "/m", "draft_timeout_s": 0}', "draft_timeout_s=0 is out of range"),
+        ('{"model": 5}', "model=5 is not a directory name"),
+        ('{"model": ["/m"]}', "model=\\['/m'\\] is not a directory name"),
+        ('{"method": "ngram", "model": 0}', "model=0 is not a directory name"),
     ],
 )
 def test_draft_config_errors_say_what_is_wrong(text, message):
@@ -210,4 +229,6 @@ def test_draft_config_in_vllm_form_and_scheduler_flags():
         SchedulerConfig(speculative=spec)
     with pytest.raises(ConfigError, match="--draft-worker is used by"):
         SchedulerConfig(draft_worker="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="draft worker address 'draft' must be HOST:PORT"):
+        SchedulerConfig(speculative=spec, draft_worker="draft")
     assert SchedulerConfig(speculative=spec, draft_worker="127.0.0.1:1").draft_worker

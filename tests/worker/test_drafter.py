@@ -82,6 +82,28 @@ def test_drafter_evicts_requests_outside_the_batch_for_room(model_dir):
     assert out.proposals["r0"] == _greedy(model_dir, [prompts[0] + [9]])[0]
 
 
+def test_drafter_forgets_a_request_it_had_no_room_for(model_dir):
+    """A held request skipped for room must not be extended later with its own old drafts
+    in place of the tokens the target chose: it is named unknown (sent again whole)."""
+    bytes_per_block = 2 * 2 * 8 * 2 * 16 * 4
+    drafter = _drafter(model_dir, str(8 * bytes_per_block))  # 8 blocks of 8 tokens
+    prompt = [*PROMPTS[0], 1, 2, 3]  # 13 tokens + 3 draft slots: 2 blocks
+    drafts = drafter.propose([DraftSequence("a", 0, prompt, K)], []).proposals["a"]
+    chosen = [(d + 1) % 256 for d in drafts[:3]]  # the target rejected every draft
+    long = [(7 * i) % 256 + 1 for i in range(45)]  # 45 + 3 slots: the 6 other blocks
+    out = drafter.propose(
+        [DraftSequence("b", 0, long, K), DraftSequence("a", len(prompt), chosen, K)], []
+    )
+    assert "a" not in out.proposals  # 19 slots need a 3rd block: none left in this batch
+    sequence = prompt + chosen + [9]
+    out = drafter.propose([DraftSequence("a", len(prompt) + 3, [9], K)], ["b"])
+    if "a" in out.proposals:  # its KV must be the target's tokens, not its own old drafts
+        assert drafter.runner.requests["a"].token_ids[: len(sequence)] == sequence
+        assert out.proposals["a"] == _greedy(model_dir, [sequence])[0]
+    else:
+        assert out.unknown_request_ids == ["a"]
+
+
 @pytest.mark.parametrize(
     "sequences",
     [

@@ -116,3 +116,21 @@ def test_worker_refuses_nested_plans(worker):
     msg = worker_pb2.StepPlan(step_id=0, following=[inner])
     reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
     assert [r.step_id for r in reports if "nests plans" in r.error] == [1]
+
+
+def test_worker_reports_a_malformed_plan_rather_than_ending_silently(worker):
+    bad = worker_pb2.StepPlan(step_id=1)
+    request = bad.new_requests.add(request_id="b", token_ids=PROMPT, num_prompt_tokens=3)
+    request.block_ids.append(1)
+    request.num_scheduled_tokens = 3
+    request.sampling.temperature = -1.0  # a peer's plan is validated like a client's request
+    msg = worker_pb2.StepPlan(step_id=0, following=[bad])
+    reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
+    errors = [(r.step_id, r.error) for r in reports if r.error]
+    assert [s for s, e in errors if "malformed" in e and "temperature" in e] == [1], errors
+
+
+def test_worker_refuses_a_step_id_that_does_not_increase(worker):
+    msg = worker_pb2.StepPlan(step_id=5, following=[worker_pb2.StepPlan(step_id=3)])
+    reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
+    assert [r.step_id for r in reports if "came after step 5" in r.error] == [3]

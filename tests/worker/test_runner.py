@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.common.errors import UnknownRequest
-from services.common.step import CachedRequest, StepPlan
+from services.common.sampling import SamplingParams
+from services.common.step import CachedRequest, NewRequest, StepPlan
 from tests.worker.utils import (
     LLAMA3_ROPE,
     TinyPlanner,
@@ -137,6 +138,32 @@ def test_runner_forgets_finished_requests(tmp_path):
     assert runner.requests == {}
     with pytest.raises(UnknownRequest, match="'a'"):
         runner.execute(StepPlan(99, cached_requests=[CachedRequest("a", 1, [], [9])]))
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (NewRequest("a", [5, 10**6], 2, SamplingParams(), [0], 0, 2), "token id 1000000"),
+        (NewRequest("a", [5, 6], 2, SamplingParams(), [128], 0, 2), "block id 128"),
+        (CachedRequest("b", 1, [], [10**6]), "token id 1000000"),
+        (CachedRequest("b", 1, [1 << 20], [7]), "block id 1048576"),
+    ],
+)
+def test_runner_refuses_ids_past_its_tables(tmp_path, entry, message):
+    """A plan's ids index the embedding and the KV cache: one past them must fail the step
+    with a message (on CUDA, indexing with it is a device assert that ends the process)."""
+    model_dir = make_tiny_model(tmp_path, num_layers=1)
+    (runner,) = make_runners(model_dir, num_blocks=128)
+    runner.execute(
+        StepPlan(0, new_requests=[NewRequest("b", [5, 6], 2, SamplingParams(), [1], 0, 2)])
+    )
+    plan = StepPlan(1)
+    if isinstance(entry, NewRequest):
+        plan.new_requests.append(entry)
+    else:
+        plan.cached_requests.append(entry)
+    with pytest.raises(ValueError, match=message):
+        runner.execute(plan)
 
 
 def test_runner_bfloat16_stays_close_to_float32(tmp_path):

@@ -1,0 +1,151 @@
+"""Faults with speculation on: 32 streams through a `conveyor up` stack (tiny model, 2
+stages, async) whose scheduler asks a draft worker (the target as its own draft, so nearly
+every proposal is accepted and most steps carry proposals) while the draft worker, a stage
+worker, the scheduler or Redis dies. Many streams at once are the load under which the
+scheduler applies several reports per Redis flush and joins queued plans into one message.
+
+As without speculation (test_faults.py): every stream gets exactly the tokens of an
+undisturbed run or a clear status, KV and Redis end empty; a dead draft worker only stops
+speculation (health stays SERVING), and its restart brings the proposals back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from services.models.tiny import make_tiny_model
+from tests.faults.test_faults import MAX_TOKENS, NUM_STREAMS, STOP, _assert_exact, _check_after
+from tests.faults.test_faults import _prompts as prompts
+from tests.faults.utils import SERVING, RedisProcess, UpStack, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def spec_redis(tmp_path_factory):
+    """A Redis of its own: the session's stack (test_faults.py) runs over the other one."""
+    proc = RedisProcess(tmp_path_factory.mktemp("spec-redis")).start(fresh=True)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory, spec_redis):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
+    spec = json.dumps({"model": str(model), "num_speculative_tokens": 4})
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    stack = UpStack(
+        model, spec_redis, log, "--store-grace=1", up_args=("--speculative-config", spec)
+    )
+    try:
+        stack.wait_serving()
+        yield stack
+    except BaseException:
+        print(log.read_text()[-8000:])
+        raise
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(spec_stack):
+    """prompt seed -> the undisturbed outputs (with speculation) of its prompts."""
+    cache: dict[int, list[list[int]]] = {}
+
+    def get(seed: int) -> list[list[int]]:
+        if seed not in cache:
+            outcomes = spec_stack.run_streams(prompts(seed), MAX_TOKENS)
+            assert all(o.error is None and o.finish_reason == STOP for o in outcomes)
+            cache[seed] = [o.token_ids for o in outcomes]
+        return cache[seed]
+
+    return get
+
+
+def _draft_pid(stack: UpStack) -> int | None:
+    """The live draft worker's pid; None between its death and its restart."""
+    try:
+        return stack.child_pid("worker draft")
+    except LookupError:
+        return None
+
+
+def _draft_address(stack: UpStack) -> str:
+    """HOST:PORT of the live draft worker (from its command line)."""
+    args = Path(f"/proc/{stack.child_pid('worker draft')}/cmdline").read_bytes().split(b"\0")
+    args = [a.decode() for a in args]
+    return f"{args[args.index('--host') + 1]}:{args[args.index('--port') + 1]}"
+
+
+def test_a_killed_draft_worker_stops_only_speculation(spec_stack, spec_redis, reference):
+    expected = reference(11)
+    before = spec_stack.stats()
+    assert before.num_draft_calls > 0 and before.num_spec_accepted_tokens > 0
+    killed, health = [], []
+
+    def kill_draft() -> None:
+        killed.append(spec_stack.kill("worker draft"))
+        health.append(spec_stack.health(spec_stack.scheduler, timeout_s=3.0))
+
+    outcomes = spec_stack.run_streams(
+        prompts(11), MAX_TOKENS, fault=kill_draft, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
+    )
+    _assert_exact(outcomes, expected)
+    health.append(spec_stack.health(spec_stack.scheduler, timeout_s=3.0))
+    assert health == [SERVING, SERVING], "a dead draft worker made the scheduler unhealthy"
+    after = spec_stack.stats()
+    assert after.num_draft_failures > before.num_draft_failures and after.draft_problem
+    _check_after(spec_stack, spec_redis)
+
+    # conveyor up restarts it; once it serves, the next streams get proposals again
+    wait_until(lambda: _draft_pid(spec_stack) not in (None, killed[0]), 60)
+    wait_until(lambda: spec_stack.health(_draft_address(spec_stack)) == SERVING, 120)
+    _assert_exact(spec_stack.run_streams(prompts(11), MAX_TOKENS), expected)
+    again = spec_stack.stats()
+    assert again.num_draft_calls > after.num_draft_calls and not again.draft_problem
+    assert again.num_spec_accepted_tokens > after.num_spec_accepted_tokens
+
+
+@pytest.mark.parametrize("kind", ["worker 1", "scheduler"])
+def test_a_killed_worker_or_scheduler_loses_nothing_with_speculation(
+    spec_stack, spec_redis, reference, kind
+):
+    seed = {"worker 1": 12, "scheduler": 13}[kind]
+    expected = reference(seed)
+    killed = []
+    outcomes = spec_stack.run_streams(
+        prompts(seed),
+        MAX_TOKENS,
+        fault=lambda: killed.append(spec_stack.kill(kind)),
+        after_tokens=NUM_STREAMS * MAX_TOKENS // 4,
+    )
+    assert killed
+    _assert_exact(outcomes, expected)
+    _check_after(spec_stack, spec_redis)
+    assert spec_stack.stats().num_spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("snapshot", ["empty", "stale"])
+def test_redis_restarted_loses_nothing_with_speculation(
+    spec_stack, spec_redis, reference, snapshot
+):
+    seed = {"empty": 14, "stale": 15}[snapshot]
+    expected = reference(seed)
+
+    def restart() -> None:
+        if snapshot == "stale":
+            spec_redis.save()  # the snapshot the restart loads: some tokens behind
+            time.sleep(1.0)
+        spec_redis.kill()
+        spec_redis.start(fresh=snapshot == "empty")
+        wait_until(lambda: spec_redis.client().zcard("conveyor:unfinished") > 0, 30)
+
+    outcomes = spec_stack.run_streams(
+        prompts(seed), MAX_TOKENS, fault=restart, after_tokens=NUM_STREAMS * MAX_TOKENS // 8
+    )
+    _assert_exact(outcomes, expected)
+    _check_after(spec_stack, spec_redis)

@@ -55,7 +55,11 @@ def test_draft_model_stack_greedy_equals_transformers_and_survives_the_draft_wor
         ["worker", "--draft", "--model", str(smollm2_dir), "--port", str(port)]
         + ["--kv-cache-memory", "64MiB", "--threads", "1", "--max-model-len", "1024"]
     )
-    spec = json.dumps({"model": str(smollm2_dir), "num_speculative_tokens": 4})
+    # A generous deadline: on a loaded machine a first call (the prompts whole) may take
+    # seconds, and a timed-out call counts as a failure (speculation itself is unaffected).
+    spec = json.dumps(
+        {"model": str(smollm2_dir), "num_speculative_tokens": 4, "draft_timeout_s": 60}
+    )
     args = ["--speculative-config", spec, "--draft-worker", f"127.0.0.1:{port}"]
     stack = ProcessStack(smollm2_dir, 2, "async", scheduler_args=args)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from services.common.errors import PipelineUnavailable
@@ -28,6 +29,9 @@ class DraftWorkerServicer(draft_pb2_grpc.DraftWorkerServicer):
         self.drafter: Drafter | None = None
         self.eos_token_ids: list[int] = []
         self._lock = asyncio.Lock()
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="draft-compute")
+        """The one thread that loads and runs the draft model: one OpenMP team in the
+        process, not one per pool thread (services/worker/threads.py)."""
 
     async def Describe(self, request, context):
         drafter = self.drafter
@@ -55,8 +59,8 @@ class DraftWorkerServicer(draft_pb2_grpc.DraftWorkerServicer):
             for s in request.sequences
         ]
         async with self._lock:  # one batch at a time on the model
-            out = await asyncio.to_thread(
-                self.drafter.propose, sequences, list(request.finished_request_ids)
+            out = await asyncio.get_running_loop().run_in_executor(
+                self.compute, self.drafter.propose, sequences, list(request.finished_request_ids)
             )
         return draft_pb2.ProposeResponse(
             proposals=[
@@ -88,7 +92,8 @@ async def serve(config: WorkerConfig) -> None:
     server.add(draft_pb2_grpc.add_DraftWorkerServicer_to_server, servicer)
     await server.start()
     logger.info("draft worker: loading %s", config.model_dir)
-    runner = await asyncio.to_thread(StageRunner.from_config, config)
+    loop = asyncio.get_running_loop()
+    runner = await loop.run_in_executor(servicer.compute, StageRunner.from_config, config)
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
     servicer.eos_token_ids = list(runner.model.config.eos_token_ids)
     servicer.drafter = Drafter(runner, max_model_len)

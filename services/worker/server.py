@@ -16,6 +16,7 @@ from services.common.serving import GrpcServer
 from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.runner import StageRunner
+from services.worker.threads import run_in_own_thread
 from services.worker.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         else:
             stage = weights.plan_received(request.weight_version)
         yield reply(phase=reply.PHASE_ACCEPTED)
-        num_tensors = await asyncio.to_thread(stage)
+        num_tensors = await run_in_own_thread(stage, name="weights-stage")
         yield reply(phase=reply.PHASE_STAGED, num_tensors=num_tensors)
 
     async def CommitWeights(self, request, context):
@@ -286,11 +287,11 @@ async def serve(config: WorkerConfig) -> None:
     if config.device == "sim":  # every real part, the forward pass modeled
         from services.worker.sim.stage import build_sim_stage
 
-        runner, transport = await asyncio.to_thread(build_sim_stage, config)
+        runner, transport = await run_in_own_thread(build_sim_stage, config)
     else:
         if config.rank_device.startswith("cuda:"):  # NCCL binds the current device
             torch.cuda.set_device(config.rank_device)
-        runner = await asyncio.to_thread(StageRunner.from_config, config)
+        runner = await run_in_own_thread(StageRunner.from_config, config)
         transport = StageTransport(
             config.stage_index,
             config.num_stages,

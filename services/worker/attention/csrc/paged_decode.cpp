@@ -176,7 +176,7 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
   const float softmax_scale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query, key_tile(head_dim * kTile), scores, acc;
+    std::vector<float> query, key_tile(head_dim * kTile), scores, value_slices, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t first_row = starts[seq], num_rows = starts[seq + 1] - first_row;
@@ -240,12 +240,22 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
         }
         std::fill(s + visible, s + stride, 0.f);
       }
-      acc.resize(padded * head_dim);  // out = p @ V, kQueries x kTile outputs in registers
-      for (int64_t i0 = 0; i0 < padded; i0 += kQueries)
-        for (int64_t c = 0; c < head_dim; c += kTile) {
+      // out = p @ V. V is copied once into slices of kTile columns, [D / kTile, len, kTile],
+      // so that each pass below streams one slice (len * 64 bytes, in L1) rather than
+      // gathering the paged rows again
+      value_slices.resize(head_dim * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* value = row(v_ptr, t);
+        for (int64_t c = 0; c < head_dim; c += kTile)
+          std::copy_n(value + c, kTile, value_slices.data() + c * len + t * kTile);
+      }
+      acc.resize(padded * head_dim);
+      for (int64_t c = 0; c < head_dim; c += kTile) {
+        const float* slice = value_slices.data() + c * len;
+        for (int64_t i0 = 0; i0 < padded; i0 += kQueries) {  // kQueries x kTile in registers
           float sums[kQueries][kTile] = {};
           for (int64_t t = 0; t < len; ++t) {
-            const float* value = row(v_ptr, t) + c;
+            const float* value = slice + t * kTile;
             for (int64_t b = 0; b < kQueries; ++b) {
               const float p = scores[(i0 + b) * stride + t];
 #pragma omp simd
@@ -255,6 +265,7 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
           for (int64_t b = 0; b < kQueries; ++b)
             std::copy(sums[b], sums[b] + kTile, acc.data() + (i0 + b) * head_dim + c);
         }
+      }
       for (int64_t r = 0; r < num_rows; ++r)
         for (int64_t g = 0; g < group; ++g)
           std::copy_n(acc.data() + (r * group + g) * head_dim, head_dim,

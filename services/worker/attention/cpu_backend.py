@@ -7,7 +7,7 @@ and handles the query heads of a KV head together: about 3x faster per layer at 
 sequences of 256 tokens (`python -m services.bench.worker_step`), close to the memory read the
 work needs. Short chunks (2 to 32 rows: a speculative step verifies k + 1 positions per
 request) take its second kernel, which reads each context once for all the chunk's rows
-and scores them a tile of keys at a time: 16 requests x 5 rows went from 2.3 to 1.6 ms
+and scores them a tile of keys at a time: 16 requests x 5 rows went from 2.8 to 1.6 ms
 per layer against padded SDPA (`python -m services.bench.spec_step`,
 docs/speculative-decoding.md). Prefill chunks keep the torch path, where SDPA's tiling
 pays off.

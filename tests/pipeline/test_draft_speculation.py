@@ -24,9 +24,9 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.speculative import SpeculativeConfig
 from services.worker.draft import Drafter
 from services.worker.draft_server import DraftWorkerServicer
-from tests.pipeline.test_speculative import greedy, repeating_prompts
+from tests.pipeline.test_speculative import NUM_NEW, TIE_MARGIN, greedy, repeating_prompts
 from tests.pipeline.utils import InProcessStack
-from tests.worker.utils import make_runners
+from tests.worker.utils import compare_greedy, hf_greedy, make_runners
 
 K = 4
 
@@ -93,9 +93,11 @@ def run(
     drafter_cls=Drafter,
     down=False,
     timeout_s=5.0,
+    num_stages=2,
 ):
-    """(stack, token lists) of every prompt submitted at once; `draft`: the draft model's
-    directory (served in this process), or with `down` an address where nothing listens."""
+    """(stack, token lists) of every prompt submitted at once on `num_stages` stages; `draft`:
+    the draft model's directory (served in this process), or with `down` an address where
+    nothing listens."""
 
     async def main():
         options = {}
@@ -113,7 +115,9 @@ def run(
             )
             options = {"speculative": spec, "draft_worker": address}
         try:
-            async with InProcessStack(target, 2, scheduling, redis_url, **options) as stack:
+            async with InProcessStack(
+                target, num_stages, scheduling, redis_url, **options
+            ) as stack:
                 sampling = [greedy()] * len(prompts)
                 outcomes = await stack.generate(
                     prompts, sampling, [f"r{i}" for i in range(len(prompts))]
@@ -150,6 +154,21 @@ def test_target_as_its_own_draft_is_accepted_and_changes_nothing(
     assert stats.acceptance_rate > 0.9, stats  # the same model proposes its own argmax
     drafts = stack.service.drafts
     assert drafts.problem is None and drafts.counters.num_failures == 0
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_draft_model_over_3_stages_equals_plain_and_transformers(
+    scheduling, target, prompts, plain, redis_url
+):
+    """The draft model's proposals verified through 3 stages (a middle stage that neither
+    embeds nor samples): the same greedy tokens as without speculation, and as HF's."""
+    stack, tokens = run(target, prompts, scheduling, redis_url, draft=target, num_stages=3)
+    assert tokens == plain
+    ref_tokens, ref_logits = hf_greedy(target, prompts, NUM_NEW)
+    for ours, ref, logits in zip(tokens, ref_tokens, ref_logits, strict=True):
+        assert compare_greedy(ours, ref, logits, TIE_MARGIN) == len(ref)
+    stats = stack.service.scheduler.spec_stats
+    assert stats.num_steps > 0 and stats.acceptance_rate > 0.9, stats
 
 
 def test_unrelated_draft_model_changes_nothing(target, other_draft, prompts, plain, redis_url):

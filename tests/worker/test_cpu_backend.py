@@ -1,4 +1,5 @@
-"""The CPU backend's C++ decode kernel against the torch reference (decode_attention)."""
+"""The CPU backend's C++ kernels against the torch reference: decode rows (decode_attention)
+and short chunks, a speculative step's k + 1 positions (chunk_attention)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kernels.metadata import AttentionMetadata
 from services.worker import cpp_build
 from services.worker.attention import cpu_backend, torch_backend
 
@@ -89,6 +91,78 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         kernels.paged_decode_attention(q, k_cache, v_cache, tables.long(), lens, 0.25)
     with pytest.raises(RuntimeError, match="shapes disagree"):
         kernels.paged_decode_attention(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 0.25)
+    starts = torch.tensor([0, 1, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="does not cover"):
+        kernels.paged_chunk_attention(q, k_cache, v_cache, tables, lens, starts, 0.25)
+
+
+def chunk_case(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens, seed=0):
+    """Paged caches as in paged_decode_case, with a chunk of query_lens[i] rows at the end
+    of sequence i; returns (q [T, Hq, D], k_cache, v_cache, metadata)."""
+    _, k_cache, v_cache, tables, lens = paged_decode_case(
+        len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, seq_lens, seed
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    query_lens_t = torch.tensor(query_lens)
+    positions = torch.cat(
+        [torch.arange(n - m, n) for n, m in zip(seq_lens, query_lens, strict=True)]
+    )
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=torch.zeros_like(positions),  # unused: the caches are written already
+        query_start_loc=torch.nn.functional.pad(query_lens_t.cumsum(0), (1, 0)).int(),
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_chunk_kernel_matches_reference(num_heads, num_kv_heads, block_size):
+    """Chunks of 2..17 rows (k + 1 for k up to 16), some as long as their whole context,
+    contexts across tile (16 keys) and block edges."""
+    seq_lens = [2, 5, block_size + 1, 3 * block_size - 1, 70, 17, 33]
+    query_lens = [2, 5, 5, 17, 3, 17, 16]
+    q, k_cache, v_cache, meta = chunk_case(
+        num_heads, num_kv_heads, 64, block_size, seq_lens, query_lens
+    )
+    scale = 64**-0.5
+    ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, scale)
+    ref = torch_backend.chunk_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_rows_do_not_depend_on_the_other_sequences():
+    """Decode rows, short chunks and a long chunk in one batch: each sequence's rows are
+    bit-identical to those of the same sequence attended alone (sync and async mode batch
+    requests differently), and close to the torch reference."""
+    seq_lens, query_lens = [40, 60, 90, 50], [1, 5, 48, 1]
+    q, k_cache, v_cache, meta = chunk_case(9, 3, 64, 16, seq_lens, query_lens, seed=4)
+    together = cpu_backend.attend_cached(q, k_cache, v_cache, meta, 0.125)
+    ref = torch_backend.attend_cached(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(together, ref, atol=1e-5, rtol=1e-5)
+    starts = meta.query_start_loc.tolist()
+    for seq in range(len(seq_lens)):
+        rows, alone = torch_backend._subset(meta, torch.tensor([seq]))
+        out = cpu_backend.attend_cached(q[rows], k_cache, v_cache, alone, 0.125)
+        assert torch.equal(out, together[starts[seq] : starts[seq + 1]]), seq
+
+
+def test_chunk_kernel_uses_threads_without_changing_results():
+    q, k_cache, v_cache, meta = chunk_case(9, 3, 64, 16, [60 + 9 * i for i in range(8)], [5] * 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 def test_build_directory_is_per_torch_version(tmp_path, monkeypatch):

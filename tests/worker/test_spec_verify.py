@@ -71,9 +71,13 @@ def _chi2(samples: list[int], logits: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_verify_greedy_equals_plain_decoding(model_dir):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_verify_greedy_equals_plain_decoding(model_dir, backend):
+    """On the torch paths and on a CPU worker's (the C++ kernels: decode rows, and the k + 1
+    rows of a speculative step on attention/cpu_backend.py's chunk kernel)."""
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    (runner,) = make_runners(model_dir, 1, num_blocks=4)
+    options = {"attention_backend": backend, "onednn": backend == "cpu"}
+    (runner,) = make_runners(model_dir, 1, num_blocks=4, **options)
     prefill, step = _steps(greedy, 1, [])
     runner.execute(prefill)
     plain = []
@@ -83,7 +87,7 @@ def test_verify_greedy_equals_plain_decoding(model_dir):
         )
         plain.extend(result.token_ids)
     for spec, num_accepted in ((plain[:3], 3), ([plain[0], plain[1] + 1, 3], 1), ([7, 7], 0)):
-        (runner,) = make_runners(model_dir, 1, num_blocks=4)
+        (runner,) = make_runners(model_dir, 1, num_blocks=4, **options)
         prefill, step = _steps(greedy, 1, spec)
         runner.execute(prefill)
         result = runner.execute(step)

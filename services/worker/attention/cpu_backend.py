@@ -1,16 +1,21 @@
-"""Attention backend for CPUs: the torch backend, with decode rows on a small C++ kernel.
+"""Attention backend for CPUs: the torch backend, with decode rows and short chunks on C++.
 
 For a decode row (one query token) the torch backend copies the sequence's whole context
 out of the paged cache into a dense tensor, for every layer and step, then runs SDPA,
 whose tiling is made for long queries. `csrc/paged_decode.cpp` reads the context in place
 and handles the query heads of a KV head together: about 3x faster per layer at 32
 sequences of 256 tokens (`python -m services.bench.worker_step`), close to the memory read the
-work needs. Prefill chunks keep the torch path, where SDPA's tiling pays off.
+work needs. Short chunks (2 to 32 rows: a speculative step verifies k + 1 positions per
+request) take its second kernel, which reads each context once for all the chunk's rows
+and scores them a tile of keys at a time: 16 requests x 5 rows went from 2.8 to 1.6 ms
+per layer against padded SDPA (`python -m services.bench.spec_step`,
+docs/speculative-decoding.md). Prefill chunks keep the torch path, where SDPA's tiling
+pays off.
 
-The kernel is compiled once per machine with `torch.utils.cpp_extension` (g++ and ninja,
+The kernels are compiled once per machine with `torch.utils.cpp_extension` (g++ and ninja,
 about 20 s) into $TORCH_EXTENSIONS_DIR/conveyor-<torch version>/ (default
 ~/.cache/torch_extensions); later loads take milliseconds. Float32 caches only: other dtypes
-take the torch reference.
+take the torch reference (bfloat16 decode rows: model/cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -97,6 +102,31 @@ def decode_attention(
     return out.to(q.dtype)
 
 
+def short_chunk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Chunks of a few rows (a speculative step's k + 1 positions) on the C++ kernel:
+    q [T, Hq, D] -> [T, Hq, D], causal within each chunk (float32 caches and head_dim a
+    multiple of 16, the kernel's tile; others take the torch path)."""
+    head_dim = k_cache.shape[3]
+    if k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or head_dim % 16:
+        return torch_backend.chunk_attention(q, k_cache, v_cache, meta, scale)
+    out = load_kernels().paged_chunk_attention(
+        q.to(torch.float32).contiguous(),
+        k_cache,
+        v_cache,
+        meta.block_tables.to(torch.int32).contiguous(),
+        meta.seq_lens.to(torch.int32).contiguous(),
+        meta.query_start_loc.to(torch.int32).contiguous(),
+        scale,
+    )
+    return out.to(q.dtype)
+
+
 def paged_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -108,7 +138,7 @@ def paged_attention_forward(
 ) -> torch.Tensor:
     """Same contract as torch_backend.paged_attention_forward."""
     return torch_backend.paged_attention_forward(
-        q, k, v, k_cache, v_cache, meta, scale, decode=decode_attention
+        q, k, v, k_cache, v_cache, meta, scale, decode_attention, short_chunk_attention
     )
 
 
@@ -120,4 +150,6 @@ def attend_cached(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as torch_backend.attend_cached (K/V rows already written)."""
-    return torch_backend.attend_cached(q, k_cache, v_cache, meta, scale, decode=decode_attention)
+    return torch_backend.attend_cached(
+        q, k_cache, v_cache, meta, scale, decode_attention, short_chunk_attention
+    )

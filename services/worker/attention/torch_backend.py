@@ -24,6 +24,13 @@ from kernels.metadata import AttentionMetadata
 
 DecodeFn = Callable[..., torch.Tensor]
 """(q [B, Hq, D], k_cache, v_cache, block_tables [B, nb], seq_lens [B], scale) -> [B, Hq, D]"""
+ShortChunksFn = Callable[..., torch.Tensor]
+"""(q [T, Hq, D], k_cache, v_cache, meta, scale) -> [T, Hq, D] for chunks of 2 to
+MAX_SHORT_QUERY_LEN rows (a speculative step's k + 1 positions)."""
+
+MAX_SHORT_QUERY_LEN = 32
+"""Chunks up to this many rows go to a backend's `short_chunks` when it has one; longer ones
+(prefill) keep SDPA, whose tiling pays off there."""
 
 
 def write_kv(
@@ -48,15 +55,17 @@ def paged_attention_forward(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeFn | None = None,
+    short_chunks: ShortChunksFn | None = None,
 ) -> torch.Tensor:
     """Write k, v into the cache, then attend q [T, Hq, D] over the paged context.
 
     Each row sees its own sequence's tokens up to and including its position (causal within
     the chunk, full over the cached past). Returns [T, Hq, D] in q's dtype. `decode`
-    replaces the attention of one-token rows (the CPU backend passes its C++ kernel).
+    replaces the attention of one-token rows, `short_chunks` that of chunks of a few rows
+    (the CPU backend passes its C++ kernels).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend_cached(q, k_cache, v_cache, meta, scale, decode)
+    return attend_cached(q, k_cache, v_cache, meta, scale, decode, short_chunks)
 
 
 def attend_cached(
@@ -66,30 +75,43 @@ def attend_cached(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeFn | None = None,
+    short_chunks: ShortChunksFn | None = None,
 ) -> torch.Tensor:
     """`paged_attention_forward` once this step's K/V rows are in the cache (the fused CPU
-    path writes them with its RoPE kernel, model/cpu_ops.py)."""
+    path writes them with its RoPE kernel, model/cpu_ops.py).
+
+    Each sequence's rows go to one of three paths, by its query length: 1 to `decode`;
+    2..MAX_SHORT_QUERY_LEN to `short_chunks` (when given); longer ones to padded SDPA. A
+    row's result depends only on its own sequence, never on the others in the batch."""
     decode = decode or decode_attention
     if meta.is_decode_only:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     query_lens = meta.query_lens
     is_decode = query_lens == 1
-    if not bool(is_decode.any()):
-        return _chunks(q, k_cache, v_cache, meta, scale)
+    is_short = (~is_decode) & (query_lens <= MAX_SHORT_QUERY_LEN)
+    if short_chunks is None:
+        is_short = torch.zeros_like(is_decode)
+    is_long = ~(is_decode | is_short)
+    if bool(is_short.all()):  # a speculative step: every request verifies its proposal
+        return short_chunks(q, k_cache, v_cache, meta, scale)
+    if bool(is_long.all()):
+        return chunk_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    decode_seqs = is_decode.nonzero().squeeze(1)
-    decode_rows = meta.query_start_loc[:-1].long()[decode_seqs]
-    out[decode_rows] = decode(
-        q[decode_rows],
-        k_cache,
-        v_cache,
-        meta.block_tables[decode_seqs],
-        meta.seq_lens[decode_seqs],
-        scale,
-    )
-    chunk_seqs = (~is_decode).nonzero().squeeze(1)
-    rows, result = _chunks_subset(q, k_cache, v_cache, meta, chunk_seqs, scale)
-    out[rows] = result
+    if bool(is_decode.any()):
+        decode_seqs = is_decode.nonzero().squeeze(1)
+        decode_rows = meta.query_start_loc[:-1].long()[decode_seqs]
+        out[decode_rows] = decode(
+            q[decode_rows],
+            k_cache,
+            v_cache,
+            meta.block_tables[decode_seqs],
+            meta.seq_lens[decode_seqs],
+            scale,
+        )
+    for kind, attend in ((is_short, short_chunks), (is_long, chunk_attention)):
+        if bool(kind.any()):
+            rows, sub = _subset(meta, kind.nonzero().squeeze(1))
+            out[rows] = attend(q[rows], k_cache, v_cache, sub, scale)
     return out
 
 
@@ -129,15 +151,10 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _chunks_subset(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    seq_ids: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention for the sequences `seq_ids` only; returns (their rows [T'], output)."""
+def _subset(
+    meta: AttentionMetadata, seq_ids: torch.Tensor
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(rows [T'], metadata) of the sequences `seq_ids` alone."""
     starts = meta.query_start_loc[:-1].long()[seq_ids]
     lens = meta.query_lens.long()[seq_ids]
     rows = _ranges(starts, lens)
@@ -150,10 +167,10 @@ def _chunks_subset(
         max_query_len=int(lens.max()),
         max_seq_len=int(meta.seq_lens[seq_ids].max()),
     )
-    return rows, _chunks(q[rows], k_cache, v_cache, sub, scale)
+    return rows, sub
 
 
-def _chunks(
+def chunk_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -48,7 +48,7 @@ def set_cpu_kernels(runner: StageRunner, enabled: bool, attend) -> None:
         elif isinstance(module, QuantLinear):
             module.small_batch = enabled
     for layer in model.layers:
-        layer.fused = layer.input_layernorm.fused = layer.mlp.fused = enabled
+        layer.fused = enabled
         layer.self_attn.attend = attend if enabled else None
     model.norm.fused = model.fused = enabled
 

@@ -102,11 +102,7 @@ class SwiGLU(nn.Module):
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=config.mlp_bias and self.tp.rank == 0)
-        self.fused = False
-        """On CPU: silu(gate) * up in one pass of the C++ kernel (model/cpu_ops.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        if self.fused:
-            return self.tp.all_reduce(self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I/tp] x 2
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))

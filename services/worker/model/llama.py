@@ -85,8 +85,9 @@ class Attention(nn.Module):
             self.q_size, config.hidden_size, bias=config.o_bias and self.tp.rank == 0
         )
         self.attend: AttentionFn | None = None
-        """Fused CPU path (`StageModel.use_fused_cpu_ops`): the backend's attention over
-        the cache, after one C++ pass ropes q and k and writes k, v (model/cpu_ops.py)."""
+        """Fused CPU path (`StageModel.use_fused_cpu_ops`, run by `direct_layer`): the
+        backend's attention over the cache, after one C++ pass ropes q and k and writes k,
+        v (model/cpu_ops.py)."""
 
     def forward(
         self,
@@ -95,20 +96,8 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """cos_sin: [T, 1, D] x 2, one row per token; on the fused path the [P, D] tables."""
+        """cos_sin: [T, 1, D] x 2, one row per token."""
         num_tokens = x.shape[0]
-        if self.attend is not None:
-            q = cpu_ops.rope_write_kv(
-                self.qkv_proj(x),
-                *cos_sin,
-                meta.positions,
-                *kv_cache,
-                meta.slot_mapping,
-                self.num_heads,
-                self.num_kv_heads,
-            )  # [T, Hq, D]
-            out = self.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
-            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # [T, Hq, D]
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
@@ -134,22 +123,17 @@ class DecoderLayer(nn.Module):
         """The fused path as one plain function (`direct_layer`), built on first use."""
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
-        if self.fused and self.self_attn.tp.size == 1:
+        if self.fused:
             if self.direct is None:
                 self.direct = direct_layer(self)
             return self.direct(x, cos_sin, kv_cache, meta)
-        if self.fused:
-            attn = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-            norm = self.post_attention_layernorm
-            x, normed = cpu_ops.add_rms_norm(x, attn, norm.weight, norm.eps)
-            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def fuse_layer(layer: DecoderLayer, attend: AttentionFn) -> None:
     """Put one decoder layer on the fused CPU path (`StageModel.use_fused_cpu_ops`)."""
-    layer.fused = layer.input_layernorm.fused = layer.mlp.fused = True
+    layer.fused = True
     layer.self_attn.attend = attend
     layer.direct = None
 
@@ -164,15 +148,17 @@ def direct_layer(layer: DecoderLayer) -> Callable:
     plain function, its weights bound once: a decode step of one request calls ~10 kernels
     per layer, and the modules' `__call__`, attribute lookups and dispatch checks around
     them cost ~1 ms per step of SmolLM2 (2-5 % of a one-thread step, docs/performance.md).
-    Same operations in the same order as `DecoderLayer.forward`'s fused branch; a layer
-    swapped in by a weight update builds its own."""
+    Same operations in the same order as the unfused `DecoderLayer.forward`, the residual
+    add and the second norm in one pass; tensor parallel: the partial sums of o_proj and
+    down_proj all-reduced. A layer swapped in by a weight update builds its own; the
+    attention function is read at each call (benchmarks swap it)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv_proj, o_proj = _linear_function(attn.qkv_proj), _linear_function(attn.o_proj)
     gate_up_proj, down_proj = _linear_function(mlp.gate_up_proj), _linear_function(mlp.down_proj)
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     weight1, eps1, weight2, eps2 = norm1.weight, norm1.eps, norm2.weight, norm2.eps
     num_heads, num_kv_heads, q_size = attn.num_heads, attn.num_kv_heads, attn.q_size
-    attend, scale = attn.attend, attn.scale
+    scale, all_reduce = attn.scale, attn.tp.all_reduce
 
     def forward(x, cos_sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden]
         k_cache, v_cache = kv_cache
@@ -187,9 +173,9 @@ def direct_layer(layer: DecoderLayer) -> Callable:
             num_heads,
             num_kv_heads,
         )  # [T, Hq, D]
-        out = attend(q, k_cache, v_cache, meta, scale).reshape(x.shape[0], q_size)
-        x, normed = cpu_ops.add_rms_norm(x, o_proj(out), weight2, eps2)
-        return x + down_proj(cpu_ops.silu_mul(gate_up_proj(normed)))
+        out = attn.attend(q, k_cache, v_cache, meta, scale).reshape(x.shape[0], q_size)
+        x, normed = cpu_ops.add_rms_norm(x, all_reduce(o_proj(out)), weight2, eps2)
+        return x + all_reduce(down_proj(cpu_ops.silu_mul(gate_up_proj(normed))))
 
     return forward
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from services.common.errors import PipelineUnavailable
 from services.common.proto.conveyor.v1 import draft_pb2, draft_pb2_grpc, worker_pb2
-from services.common.serving import GrpcServer
 from services.worker.config import WorkerConfig
 from services.worker.draft import Drafter, DraftSequence
 from services.worker.runner import StageRunner
+from services.worker.server import internal_server
 
 logger = logging.getLogger(__name__)
 
@@ -73,21 +73,7 @@ class DraftWorkerServicer(draft_pb2_grpc.DraftWorkerServicer):
 
 async def serve(config: WorkerConfig) -> None:
     """Loads the draft model, serves it until SIGTERM/SIGINT, then drains gracefully."""
-    from services.common.security import internal_server_security
-
-    security = internal_server_security(
-        config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
-    )
-    server = GrpcServer(
-        "draft worker",
-        config.host,
-        config.port,
-        [_SERVICE],
-        # as a stage worker: a scheduler's first call sends every candidate whole
-        options=[("grpc.max_receive_message_length", 64 << 20)],
-        security=security,
-        health_port=config.health_port,
-    )
+    server = internal_server("draft worker", _SERVICE, config)
     servicer = DraftWorkerServicer(Path(config.model_dir).name)
     server.add(draft_pb2_grpc.add_DraftWorkerServicer_to_server, servicer)
     await server.start()

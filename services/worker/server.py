@@ -249,26 +249,33 @@ def _parse_plan(msg: worker_pb2.StepPlan, is_joined: bool, last_step_id: int | N
         raise ValueError(f"is malformed: {exc}") from exc
 
 
+def internal_server(name: str, service: str, config: WorkerConfig) -> GrpcServer:
+    """The gRPC server of a worker (stage or draft) with the internal services' security;
+    it takes 64 MiB messages: a plan, or a scheduler's first draft call, carries every new
+    prompt whole."""
+    from services.common.security import internal_server_security
+
+    return GrpcServer(
+        name,
+        config.host,
+        config.port,
+        [service],
+        options=[("grpc.max_receive_message_length", 64 << 20)],
+        security=internal_server_security(
+            config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
+        ),
+        health_port=config.health_port,
+    )
+
+
 async def serve(config: WorkerConfig) -> None:
     """Loads the stage, serves it until SIGTERM/SIGINT, then drains gracefully."""
     import torch
 
-    from services.common.security import internal_server_security
     from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
 
-    security = internal_server_security(
-        config.tls_cert, config.tls_key, config.tls_ca, config.internal_token
-    )
-    server = GrpcServer(
-        f"stage {config.stage_index}",
-        config.host,
-        config.port,
-        [_SERVICE],
-        options=[("grpc.max_receive_message_length", 64 << 20)],
-        security=security,
-        health_port=config.health_port,
-    )
+    server = internal_server(f"stage {config.stage_index}", _SERVICE, config)
     model_name = Path(config.model_dir).name
     servicer = StageWorkerServicer(
         config.stage_index,
@@ -277,7 +284,7 @@ async def serve(config: WorkerConfig) -> None:
         config.tp_rank,
         config.tensor_parallel_size,
     )
-    servicer.authenticator = security.authenticator
+    servicer.authenticator = server.security.authenticator
     server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
     close_observers = install_observers(
         servicer, config.stage_index, config.metrics_port, config.otlp_endpoint

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.models.tiny import make_tiny_model
-from tests.faults.utils import RedisProcess, UpStack
+from tests.faults.utils import RedisProcess, serving_stack
 
 
 @pytest.fixture(scope="session")
@@ -18,14 +17,5 @@ def redis_proc(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, redis_proc):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    stack = UpStack(model, redis_proc, log, "--store-grace=1")
-    try:
-        stack.wait_serving()
+    with serving_stack(tmp_path_factory, redis_proc) as stack:
         yield stack
-    except BaseException:
-        print(log.read_text()[-8000:])
-        raise
-    finally:
-        stack.stop()

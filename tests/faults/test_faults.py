@@ -33,9 +33,8 @@ def _prompts(seed: int) -> list[list[int]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def reference(stack):
-    """prompt seed -> the undisturbed outputs of its prompts (computed once per seed)."""
+def undisturbed(stack: UpStack):
+    """prompt seed -> the undisturbed outputs of its prompts on `stack` (once per seed)."""
     cache: dict[int, list[list[int]]] = {}
 
     def get(seed: int) -> list[list[int]]:
@@ -46,6 +45,11 @@ def reference(stack):
         return cache[seed]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    return undisturbed(stack)
 
 
 def _check_after(stack: UpStack, redis_proc: RedisProcess) -> None:

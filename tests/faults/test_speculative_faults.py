@@ -18,9 +18,15 @@ from pathlib import Path
 import pytest
 
 from services.models.tiny import make_tiny_model
-from tests.faults.test_faults import MAX_TOKENS, NUM_STREAMS, STOP, _assert_exact, _check_after
+from tests.faults.test_faults import (
+    MAX_TOKENS,
+    NUM_STREAMS,
+    _assert_exact,
+    _check_after,
+    undisturbed,
+)
 from tests.faults.test_faults import _prompts as prompts
-from tests.faults.utils import SERVING, RedisProcess, UpStack, wait_until
+from tests.faults.utils import SERVING, RedisProcess, UpStack, serving_stack, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,33 +43,15 @@ def spec_redis(tmp_path_factory):
 def spec_stack(tmp_path_factory, spec_redis):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
     spec = json.dumps({"model": str(model), "num_speculative_tokens": 4})
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    stack = UpStack(
-        model, spec_redis, log, "--store-grace=1", up_args=("--speculative-config", spec)
-    )
-    try:
-        stack.wait_serving()
+    up_args = ("--speculative-config", spec)
+    with serving_stack(tmp_path_factory, spec_redis, model, up_args) as stack:
         yield stack
-    except BaseException:
-        print(log.read_text()[-8000:])
-        raise
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(spec_stack):
     """prompt seed -> the undisturbed outputs (with speculation) of its prompts."""
-    cache: dict[int, list[list[int]]] = {}
-
-    def get(seed: int) -> list[list[int]]:
-        if seed not in cache:
-            outcomes = spec_stack.run_streams(prompts(seed), MAX_TOKENS)
-            assert all(o.error is None and o.finish_reason == STOP for o in outcomes)
-            cache[seed] = [o.token_ids for o in outcomes]
-        return cache[seed]
-
-    return get
+    return undisturbed(spec_stack)
 
 
 def _draft_pid(stack: UpStack) -> int | None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from services.common.proto.conveyor.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common.redis_server import find_redis_server, free_port
+from services.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -288,3 +290,26 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> None:
             return
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+@contextmanager
+def serving_stack(
+    tmp_path_factory,
+    redis_proc: RedisProcess,
+    model: Path | None = None,
+    up_args: tuple[str, ...] = (),
+):
+    """An `UpStack` of `model` (default: a new tiny one) over `redis_proc`, serving;
+    `up_args`: more `conveyor up` flags. Its log is printed when the block fails."""
+    if model is None:
+        model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    stack = UpStack(model, redis_proc, log, "--store-grace=1", up_args=up_args)
+    try:
+        stack.wait_serving()
+        yield stack
+    except BaseException:
+        print(log.read_text()[-8000:])
+        raise
+    finally:
+        stack.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,11 +75,5 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
         print(Path(log.name).read_text()[-5000:], file=sys.stderr)
         raise
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

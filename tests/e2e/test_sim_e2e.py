@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from services.worker.sim.profiles import load_profile
 from services.worker.sim.timing import StageTimingModel
 from services.worker.sim.tokens import TokenSource
 from tests.conftest import free_port
+from tests.processes import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +59,7 @@ def sim_stack(tmp_path_factory):
         print(Path(log.name).read_text()[-5000:], file=sys.stderr)
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ from services.common.proto.conveyor.v1 import (
 )
 from services.launcher import wait_serving
 from tests.conftest import free_port
+from tests.processes import stop_process
 from tests.security.utils import ROOT
 
 TOKEN = "draft-test-token"
@@ -147,11 +147,6 @@ def test_up_gives_its_internal_token_to_the_draft_worker_and_the_scheduler(
         print(log.read_text()[-5000:], file=sys.stderr)
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     assert stats.num_draft_calls > 0 and stats.num_draft_failures == 0, stats.draft_problem
     assert stats.num_spec_accepted_tokens > 0

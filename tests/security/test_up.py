@@ -5,7 +5,6 @@ mode is said in the log, and clients on this machine need no credential."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from services.client.client import ConveyorClient
 from services.launcher import wait_serving
 from tests.conftest import free_port
+from tests.processes import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -100,12 +100,7 @@ def up(tiny_dir, tmp_path_factory):
         wait_serving(f"127.0.0.1:{port}", 300, proc)
         yield proc, f"127.0.0.1:{port}", log_path
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def test_up_listens_on_loopback_only(up):

@@ -45,7 +45,15 @@ def spec_stack(tmp_path_factory, spec_redis):
     spec = json.dumps({"model": str(model), "num_speculative_tokens": 4})
     up_args = ("--speculative-config", spec)
     with serving_stack(tmp_path_factory, spec_redis, model, up_args) as stack:
+        # Until the draft worker has answered once: a cold first call can miss the 1 s
+        # deadline, and the client then rests 5 s, longer than a reference run (seen in CI).
+        wait_until(lambda: _draft_answered(stack), 120, interval_s=1.0)
         yield stack
+
+
+def _draft_answered(stack: UpStack) -> bool:
+    stack.run_streams(prompts(0)[:4], 8)
+    return stack.stats().num_draft_calls > 0
 
 
 @pytest.fixture(scope="module")

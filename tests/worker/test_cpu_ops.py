@@ -206,13 +206,13 @@ def test_int8_rows_depend_neither_on_the_batch_nor_on_the_instruction_set(
     torch.testing.assert_close(outputs[isas[0]].float(), reference, atol=0.05, rtol=0.02)
 
 
-def test_int8_amx_sums_do_not_overflow_at_the_bounds():
-    """The largest products the AMX split makes (hi = -128 or 127, lo = 255, |w| = 127)
-    over more k than one int32 chunk holds (32768) sum to the same bits on every path."""
+def test_int8_sums_do_not_overflow_at_the_bounds():
+    """The largest products (|xq| = 32767, |w| = 127; for AMX's split hi = -128 or 127, lo =
+    255) over more k than one int32 chunk holds (2048 for the vector paths, 32768 for AMX)
+    sum to the same bits on every path, for decode batches (1 and 4 rows, streamed on
+    AVX2) and a bigger one."""
     kernels = cpu_ops.load_kernels()
     isas = kernels.int8_isas()
-    if "amx" not in isas:
-        pytest.skip("no AMX-INT8 on this CPU")
     in_features = 33000
     q = torch.full((32, in_features), 127, dtype=torch.int8)
     q[1::2] = -127
@@ -225,6 +225,10 @@ def test_int8_amx_sums_do_not_overflow_at_the_bounds():
         for isa in isas:
             kernels.use_int8_isa(isa)
             outputs.append(cpu_ops.small_linear(x, q, packed=packed))
+            for rows in (1, 4):
+                assert torch.equal(
+                    cpu_ops.small_linear(x[:rows], q, packed=packed), outputs[-1][:rows]
+                ), (isa, rows)
     finally:
         kernels.use_int8_isa(isas[0])
     assert all(torch.equal(out, outputs[-1]) for out in outputs)

@@ -55,6 +55,15 @@ inline float widen(uint16_t v) {  // bfloat16 bits -> float32: the high half of 
   return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16);
 }
 
+// 8 weights widened to float32 lanes (AVX2 builds).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {  // bfloat16: the high half of each float
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
 // 16 weights widened to float32 lanes (AVX-512 builds only).
 #ifdef __AVX512F__
 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
@@ -64,9 +73,10 @@ inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each fl
 }
 #endif
 
-// x . w over K: four accumulators, since one chain of dependent FMAs waits on the FMA
-// latency, which for int8 and bfloat16 weights (a widening per 16 weights) is slower than
-// memory; the compiler does not split a reduction by itself.
+// x . w over K: four accumulators (AVX-512 or AVX2), since one chain of dependent FMAs
+// waits on the FMA latency, which for bfloat16 weights (a widening per vector) is slower
+// than memory; the compiler does not split a reduction by itself (on an AVX2 Zen 2 core,
+// its one-accumulator loop read bfloat16 weights at ~8 GB/s, about the FMA latency).
 template <typename W>
 inline float dot(const float* x, const W* w, int64_t K) {
   int64_t k = 0;
@@ -81,6 +91,19 @@ inline float dot(const float* x, const W* w, int64_t K) {
   }
   for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
   sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+  const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #endif
   for (; k < K; ++k) sum += x[k] * widen(w[k]);
   return sum;
@@ -291,6 +314,49 @@ __attribute__((target("avx2"))) void tile_avx2(const int16_t* xq, const W* w, in
   tail_sums<W, RX, RW>(xq, w, K, k, sums);
 }
 
+#ifndef STREAM_AHEAD
+#define STREAM_AHEAD 2048  // bytes; 1024-4096 measured alike
+#endif
+// A decode batch (RX <= kTileX rows of x) against one int8 weight row on AVX2, the rows
+// taken one after another so the weights are read front to back, 64 k per step, with the
+// bytes STREAM_AHEAD further on requested once per cache line. On AMD Zen cores the
+// hardware prefetchers do not run far enough ahead of a loop this busy (nor follow the 4
+// interleaved rows of a tile): the memory wait and the arithmetic added up instead of
+// overlapping (docs/performance.md, "int8 on AVX2"). Same exact integer sums as the tiles.
+template <int RX>
+__attribute__((target("avx2"))) void stream_avx2(const int16_t* xq, const int8_t* w, int64_t K,
+                                                  int64_t* sums) {
+  for (int i = 0; i < RX; ++i) sums[i] = 0;
+  int64_t k = 0;
+  for (; k + 64 <= K;) {
+    __m256i acc[RX][2];
+    for (int i = 0; i < RX; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (const int64_t end = std::min(K, k + kChunk); k + 64 <= end; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + STREAM_AHEAD), _MM_HINT_T0);
+      const __m256i w0 = load16_epi16(w + k), w1 = load16_epi16(w + k + 16),
+                    w2 = load16_epi16(w + k + 32), w3 = load16_epi16(w + k + 48);
+      for (int i = 0; i < RX; ++i) {
+        const __m256i* x = reinterpret_cast<const __m256i*>(xq + i * K + k);
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_loadu_si256(x), w0));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_loadu_si256(x + 1), w1));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_loadu_si256(x + 2), w2));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_loadu_si256(x + 3), w3));
+      }
+    }
+    for (int i = 0; i < RX; ++i) sums[i] += lanes_sum(_mm256_add_epi32(acc[i][0], acc[i][1]));
+  }
+  tail_sums<int8_t, RX, 1>(xq, w, K, k, sums);
+}
+
+void stream_rows(int64_t rx, const int16_t* xq, const int8_t* w, int64_t K, int64_t* sums) {
+  switch (rx) {
+    case 1: return stream_avx2<1>(xq, w, K, sums);
+    case 2: return stream_avx2<2>(xq, w, K, sums);
+    case 3: return stream_avx2<3>(xq, w, K, sums);
+    default: return stream_avx2<kTileX>(xq, w, K, sums);
+  }
+}
+
 template <typename W, int RX, int RW>
 void tile(const int16_t* xq, const W* w, int64_t K, int64_t* sums) {
   switch (int8_isa()) {
@@ -346,8 +412,16 @@ template <typename T>
 void int8_rows(int64_t M, const int16_t* xq, const float* x_scale, const int8_t* w,
                const float* scale, const float* bias, T* out, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
-  std::vector<int16_t> w16(M > kTileX ? kTileW * K : 0);
   int64_t sums[kTileX * kTileW];
+  if (M <= kTileX && int8_isa() == Isa::kAvx2) {
+    for (int64_t n = begin; n < end; ++n) {
+      stream_rows(M, xq, w + n * K, K, sums);
+      store_rows(M, 1, sums, 1, x_scale, scale ? scale + n : nullptr, bias ? bias + n : nullptr,
+                 out + n, N);
+    }
+    return;
+  }
+  std::vector<int16_t> w16(M > kTileX ? kTileW * K : 0);
   for (int64_t n = begin; n < end; n += kTileW) {
     const int64_t rw = std::min(kTileW, end - n);
     if (M > kTileX)

@@ -148,7 +148,7 @@ class StageRunner:
             tp_rank=config.tp_rank,
             tensor_parallel_size=config.tensor_parallel_size,
         ).to(config.rank_device)
-        if config.uses_onednn:
+        if config.uses_onednn or config.uses_cpu_kernels:  # see PackedLinear: bf16 on AVX2
             model.use_onednn(keep_plain=config.uses_cpu_kernels)
         if config.uses_cpu_kernels:
             model.use_fused_cpu_ops()

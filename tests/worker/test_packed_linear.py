@@ -38,6 +38,28 @@ def test_packed_linear_bfloat16():
     torch.testing.assert_close(out.float(), F.linear(x, weight).float(), atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("keep_plain", [False, True])
+def test_a_dtype_onednn_cannot_pack_keeps_the_plain_weight(monkeypatch, keep_plain):
+    """bfloat16 on a CPU without AVX-512 (oneDNN does not pack it there): the plain weight
+    serves every batch, 1-4 rows on `small_linear` with `keep_plain`, `F.linear` past them
+    (before, such a stage ran every one-request matmul through `F.linear`)."""
+    from services.worker.model import cpu_ops, packed_linear
+
+    monkeypatch.setattr(packed_linear, "onednn_supported", lambda device, dtype: False)
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(96, 40, generator=gen).bfloat16(), torch.randn(96).bfloat16()
+    layer = PackedLinear(weight, bias, keep_plain=keep_plain)
+    assert layer.packed_weight is None and layer.weight is not None
+    assert layer.small_batch == (keep_plain and cpu_ops.available())
+    assert "plain" in repr(layer)
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 40, generator=gen).bfloat16()
+        expected = F.linear(x.float(), weight.float(), bias.float())
+        for out in (layer(x), layer.direct()(x)):
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+            torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.02)
+
+
 def test_pack_linears_swaps_every_linear_and_keeps_outputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))

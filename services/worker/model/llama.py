@@ -219,19 +219,23 @@ class StageModel(nn.Module):
         return VocabParallelEmbedding(self.tp, self.config.hidden_size)
 
     def use_onednn(self, keep_plain: bool = False) -> None:
-        """Run every matmul (projections, MLP, logits) through oneDNN with packed weights.
+        """Run every matmul (projections, MLP, logits) through oneDNN with packed weights
+        (where oneDNN packs the dtype; else `F.linear` on the plain weight).
 
         CPU only, after the weights are loaded; see model/packed_linear.py for why.
         `keep_plain`: matmuls of 1-4 rows on `cpu_ops.small_linear` (model/cpu_ops.py).
         """
-        swapped = pack_linears(self.layers, keep_plain)
+        pack_linears(self.layers, keep_plain)
         if self.lm_head_weight is not None:
             self.lm_head = PackedLinear(self.lm_head_weight, keep_plain=keep_plain)
             self.lm_head_weight = None  # the embedding keeps its own weight when tied
+        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        onednn = sum(m.packed_weight is not None for m in linears)
         logger.info(
-            "stage %d: %d matmuls on oneDNN",
+            "stage %d: %d matmuls on oneDNN, %d on plain weights",
             self.stage.stage_index,
-            swapped + (self.lm_head is not None),
+            onednn,
+            len(linears) - onednn,
         )
 
     def use_fused_cpu_ops(self) -> bool:

@@ -15,6 +15,11 @@ The packed weight replaces the plain one, unless `keep_plain`: then the plain we
 beside it for `cpu_ops.small_linear`, which serves the matmuls of 1-4 rows (a decode step of
 one or a few requests) closer to the memory bandwidth than oneDNN (model/cpu_ops.py); the
 weights then take twice their memory.
+
+Where oneDNN cannot pack the dtype (bfloat16 on a CPU without AVX-512: `onednn_supported`),
+a `PackedLinear` keeps the plain weight only: `small_linear` serves 1-4 rows and `F.linear`
+the rest. Before, such a stage ran every matmul through `F.linear` (on an AVX2 EPYC a
+one-request bfloat16 decode step read its weights at ~7 GB/s there: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def onednn_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only).
+    """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only),
+    where oneDNN packs its dtype; elsewhere the plain weight, for `F.linear`.
 
     With `keep_plain`, matmuls of up to `cpu_ops.MAX_ROWS` rows run on `small_linear` over
     the plain weight kept beside the packed one (`small_batch` turns that off and on)."""
@@ -60,15 +66,19 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        onednn = onednn_supported(weight.device, weight.dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.register_buffer("weight", weight if keep_plain else None, persistent=False)
+        plain = keep_plain or not onednn
+        self.register_buffer("weight", weight if plain else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.small_batch = keep_plain and cpu_ops.available()
+        self.small_batch = keep_plain and weight.dtype in _ONEDNN_DTYPES and cpu_ops.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.small_batch and cpu_ops.serves(x, self.weight):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias)
+        if self.packed_weight is None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -80,12 +90,15 @@ class PackedLinear(nn.Module):
         def linear(x: torch.Tensor) -> torch.Tensor:
             if self.small_batch and x.shape[0] <= cpu_ops.MAX_ROWS:
                 return cpu_ops.small_linear(x, weight, bias=bias)
+            if packed is None:
+                return torch.nn.functional.linear(x, weight, bias)
             return onednn(x, packed, bias, "none", [], "")
 
         return linear
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        layout = "onednn" if self.packed_weight is not None else "plain"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
 
 
 def pack_linears(module: nn.Module, keep_plain: bool = False) -> int:

@@ -39,13 +39,15 @@ def test_packed_linear_bfloat16():
 
 
 @pytest.mark.parametrize("keep_plain", [False, True])
-def test_a_dtype_onednn_cannot_pack_keeps_the_plain_weight(monkeypatch, keep_plain):
+@pytest.mark.parametrize("chunk_rows", [10, 1000])
+def test_a_dtype_onednn_cannot_pack_keeps_the_plain_weight(monkeypatch, keep_plain, chunk_rows):
     """bfloat16 on a CPU without AVX-512 (oneDNN does not pack it there): the plain weight
-    serves every batch, 1-4 rows on `small_linear` with `keep_plain`, `F.linear` past them
-    (before, such a stage ran every one-request matmul through `F.linear`)."""
+    serves every batch, 1-4 rows on `small_linear` with `keep_plain`, bigger batches in
+    float32 with the weight widened `chunk_rows` rows at a time (the last block partial)."""
     from services.worker.model import cpu_ops, packed_linear
 
     monkeypatch.setattr(packed_linear, "onednn_supported", lambda device, dtype: False)
+    monkeypatch.setattr(packed_linear, "_UPCAST_CHUNK_BYTES", 4 * 40 * chunk_rows)
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(96, 40, generator=gen).bfloat16(), torch.randn(96).bfloat16()
     layer = PackedLinear(weight, bias, keep_plain=keep_plain)

@@ -53,6 +53,29 @@ def onednn_supported(device: str | torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+_UPCAST_CHUNK_BYTES = 2 << 20
+"""float32 bytes of weight rows widened at a time by `plain_linear` (they stay in cache)."""
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` over a weight oneDNN cannot pack. bfloat16 is computed in float32, the
+    weight widened a block of rows at a time: without AVX-512 torch's bfloat16 matmul is
+    3-5x slower than float32's (64 x 576 -> 3072 on an AVX2 EPYC, 2 threads: 16.0 against
+    ~4 ms; docs/performance.md), and a block of widened rows stays in cache where the whole
+    widened logits weight (113 MB for SmolLM2) would not."""
+    if weight.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x, weight, bias)
+    x32, rows = x.float(), max(1, _UPCAST_CHUNK_BYTES // (4 * weight.shape[1]))
+    b32 = None if bias is None else bias.float()
+    if weight.shape[0] <= rows:
+        return torch.nn.functional.linear(x32, weight.float(), b32).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    for n in range(0, weight.shape[0], rows):
+        b = None if b32 is None else b32[n : n + rows]
+        out[..., n : n + rows] = torch.nn.functional.linear(x32, weight[n : n + rows].float(), b)
+    return out
+
+
 class PackedLinear(nn.Module):
     """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only),
     where oneDNN packs its dtype; elsewhere the plain weight, for `F.linear`.
@@ -78,7 +101,7 @@ class PackedLinear(nn.Module):
         if self.small_batch and cpu_ops.serves(x, self.weight):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias)
         if self.packed_weight is None:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
+            return plain_linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -91,7 +114,7 @@ class PackedLinear(nn.Module):
             if self.small_batch and x.shape[0] <= cpu_ops.MAX_ROWS:
                 return cpu_ops.small_linear(x, weight, bias=bias)
             if packed is None:
-                return torch.nn.functional.linear(x, weight, bias)
+                return plain_linear(x, weight, bias)
             return onednn(x, packed, bias, "none", [], "")
 
         return linear

@@ -1,7 +1,9 @@
 """What this machine can do at most, measured by the bench itself, and what a workload asks.
 
-    peak matmul GF/s   oneDNN packed matmuls (the kernels the worker uses) on every core,
-                       in the benched dtype, the best of a few large shapes
+    peak matmul GF/s   the worker's own matmuls (`PackedLinear`: oneDNN packed weights, or
+                       bfloat16 widened to float32 where oneDNN has no bfloat16, on CPUs
+                       without AVX-512) on every core, in the benched dtype, the best of a
+                       few large shapes
     memory read GB/s   a sum over a tensor far larger than the caches, on every core
 
 The workload model (`WorkModel`, from the model's config.json) turns these into bounds: its
@@ -12,6 +14,7 @@ ms/token one request can reach. Each row of the comparison reports its share of 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -49,6 +52,8 @@ def measure_limits(dtype: str = "float32", threads: int | None = None) -> Machin
     """Peak matmul GF/s and memory read GB/s on `threads` (default: every core)."""
     import torch
 
+    from services.worker.model.packed_linear import PackedLinear
+
     threads = threads or os.cpu_count() or 1
     torch_dtype = getattr(torch, dtype)
     saved = torch.get_num_threads()
@@ -57,17 +62,7 @@ def measure_limits(dtype: str = "float32", threads: int | None = None) -> Machin
         gflops = 0.0
         for rows, k, n in _MATMUL_SHAPES:
             x = torch.randn(rows, k, dtype=torch_dtype)
-            w = torch.randn(n, k, dtype=torch_dtype)
-            if torch.backends.mkldnn.is_available():
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-
-                def matmul(x=x, packed=packed):
-                    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            else:
-
-                def matmul(x=x, w=w):
-                    return torch.nn.functional.linear(x, w)
-
+            matmul = functools.partial(PackedLinear(torch.randn(n, k, dtype=torch_dtype)), x)
             gflops = max(gflops, 2 * rows * k * n / _best_seconds(matmul) / 1e9)
         big = torch.ones(256 * 2**20 // 4 * 4, dtype=torch.float32)  # 1 GiB
         gbps = big.numel() * 4 / _best_seconds(lambda: big.sum(), min_total_s=1.0) / 1e9

@@ -257,6 +257,18 @@ def test_the_workload_model_of_smollm2_matches_the_issues_estimate():
     assert work.decode_bytes(0, "float32") == 4 * 134_479_872
 
 
+def test_machine_limits_measure_bf16_where_onednn_has_none(monkeypatch):
+    """On a CPU without AVX-512 oneDNN cannot pack bfloat16 weights: the limits measure the
+    worker's own path there (widened to float32) instead of failing the whole run."""
+    from services.bench.limits import measure_limits
+    from services.worker.model import packed_linear
+
+    monkeypatch.setattr(packed_linear, "onednn_supported", lambda device, dtype: False)
+    monkeypatch.setattr("services.bench.limits._MATMUL_SHAPES", ((64, 128, 256),))
+    limits = measure_limits("bfloat16", threads=1)
+    assert limits.matmul_gflops > 0 and limits.read_gbps > 0 and limits.dtype == "bfloat16"
+
+
 def test_shares_of_the_machines_limits():
     work = WorkModel.from_model_dir(SMOLLM2_CONFIG)
     limits = MachineLimits(matmul_gflops=527.0, read_gbps=42.0, threads=2, dtype="float32")

@@ -220,7 +220,7 @@ class StageModel(nn.Module):
 
     def use_onednn(self, keep_plain: bool = False) -> None:
         """Run every matmul (projections, MLP, logits) through oneDNN with packed weights
-        (where oneDNN packs the dtype; else `F.linear` on the plain weight).
+        (where oneDNN packs the dtype; else the plain weight: `plain_linear`).
 
         CPU only, after the weights are loaded; see model/packed_linear.py for why.
         `keep_plain`: matmuls of 1-4 rows on `cpu_ops.small_linear` (model/cpu_ops.py).

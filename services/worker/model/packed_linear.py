@@ -17,8 +17,8 @@ one or a few requests) closer to the memory bandwidth than oneDNN (model/cpu_ops
 weights then take twice their memory.
 
 Where oneDNN cannot pack the dtype (bfloat16 on a CPU without AVX-512: `onednn_supported`),
-a `PackedLinear` keeps the plain weight only: `small_linear` serves 1-4 rows and `F.linear`
-the rest. Before, such a stage ran every matmul through `F.linear` (on an AVX2 EPYC a
+a `PackedLinear` keeps the plain weight only: `small_linear` serves 1-4 rows and
+`plain_linear` the rest (bfloat16 widened to float32). Before, such a stage ran every matmul through `F.linear` (on an AVX2 EPYC a
 one-request bfloat16 decode step read its weights at ~7 GB/s there: docs/performance.md).
 """
 
@@ -78,7 +78,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class PackedLinear(nn.Module):
     """`x @ weight.T + bias` with the weight held in oneDNN's layout (inference only),
-    where oneDNN packs its dtype; elsewhere the plain weight, for `F.linear`.
+    where oneDNN packs its dtype; elsewhere the plain weight, for `plain_linear`.
 
     With `keep_plain`, matmuls of up to `cpu_ops.MAX_ROWS` rows run on `small_linear` over
     the plain weight kept beside the packed one (`small_batch` turns that off and on)."""

@@ -269,6 +269,15 @@ def test_machine_limits_measure_bf16_where_onednn_has_none(monkeypatch):
     assert limits.matmul_gflops > 0 and limits.read_gbps > 0 and limits.dtype == "bfloat16"
 
 
+def test_openvino_keeps_an_f32_kv_cache_for_bf16_without_avx512():
+    """OpenVINO's CPU paged attention refuses a bf16 KV cache on AVX2-only CPUs."""
+    from services.bench.peers.ov_runner import _kv_precision
+
+    assert _kv_precision("bf16", "flags : fpu sse avx2 fma") == "f32"
+    assert _kv_precision("bf16", "flags : avx2 avx512f avx512bw avx512_bf16") == "bf16"
+    assert _kv_precision("f32", "flags : avx2") == "f32"
+
+
 def test_shares_of_the_machines_limits():
     work = WorkModel.from_model_dir(SMOLLM2_CONFIG)
     limits = MachineLimits(matmul_gflops=527.0, read_gbps=42.0, threads=2, dtype="float32")

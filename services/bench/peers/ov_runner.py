@@ -42,14 +42,24 @@ def _generate(pipe, prompts: list[list[int]], lengths: list[int]) -> tuple[float
     return seconds, sum(len(r.m_generation_ids[0]) for r in results)
 
 
+def _kv_precision(precision: str, cpuinfo: str) -> str:
+    """OpenVINO's KV cache precision: the benched one, except bf16 on a CPU without
+    AVX-512, where its CPU plugin's paged attention takes only an f32 cache ("expect kvcache
+    type f32", OpenVINO 2026.4 on an AVX2 EPYC)."""
+    if precision == "bf16" and "avx512bw" not in cpuinfo.split():
+        return "f32"
+    return precision
+
+
 def _pipeline(model_dir: str, precision: str, threads: int, cache_gib: int):
     import openvino_genai as og
 
     scheduler = og.SchedulerConfig()
     scheduler.cache_size = cache_gib
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     properties = {
         "INFERENCE_PRECISION_HINT": precision,
-        "KV_CACHE_PRECISION": precision,
+        "KV_CACHE_PRECISION": _kv_precision(precision, cpuinfo),
         "INFERENCE_NUM_THREADS": threads,
     }
     return og.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)

@@ -322,7 +322,8 @@ constexpr int64_t kStreamAhead = 2048;  // bytes; 1, 2 and 4 KiB measured alike
 // bytes kStreamAhead further on requested once per cache line. On AMD Zen cores the
 // hardware prefetchers do not run far enough ahead of a loop this busy (nor follow the 4
 // interleaved rows of a tile): the memory wait and the arithmetic added up instead of
-// overlapping (docs/performance.md, "int8 on AVX2"). Same exact integer sums as the tiles.
+// overlapping (docs/performance.md, "On CPUs without AVX-512"). Same exact integer sums as
+// the tiles.
 template <int RX>
 __attribute__((target("avx2"))) void stream_avx2(const int16_t* xq, const int8_t* w, int64_t K,
                                                   int64_t* sums) {

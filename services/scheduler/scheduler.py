@@ -205,10 +205,10 @@ class Scheduler:
         self._isolated_since = None
         return []
 
-    def skip_to_next_ready(self) -> bool:
-        """Async mode, after an empty plan: if a running request waits only for the
-        pipeline rule (it may run again at step s + P), jumps the step counter to the first
-        step one of them may run at, so that step is planned now — while step s is still in
+    def skip_to_next_ready(self, empty_step_id: int) -> bool:
+        """Async mode, after an empty plan at step `empty_step_id`: if a running request
+        waits only for the pipeline rule (it may run again at step s + P), jumps the step
+        counter to the first later step one of them may run at, so that step is planned now — while step s is still in
         the stages — rather than after s reports. With one micro-batch (few requests) this
         keeps the scheduler's round trip off the critical path. Returns whether it jumped."""
         if not self.config.is_async or self.is_frozen:
@@ -218,7 +218,7 @@ class Scheduler:
             for r in self.running.values()
             if r.status is RequestStatus.RUNNING
             and len(r.pending_step_ids) <= self._max_pending(r, 1)
-            and r.next_step_id >= self._next_step_id
+            and r.next_step_id > empty_step_id
         ]
         if not ready:
             return False
@@ -249,11 +249,17 @@ class Scheduler:
         return bool(self.requests)
 
     # -- planning --------------------------------------------------------------------------
-    def schedule(self, draft_proposals: dict[str, list[int]] | None = None) -> StepPlan:
-        """Plan the next global step: running decodes first, then prefill chunks.
+    def schedule(
+        self, draft_proposals: dict[str, list[int]] | None = None, num_in_flight: int = 0
+    ) -> StepPlan:
+        """Plan the next global step: running decodes first, then prefill chunks. With
+        speculation in async mode, a plan with nothing in it gives its step id back: the
+        next plan takes it.
 
         `draft_proposals`: with a draft model, the draft worker's tokens for (some of) the
-        requests `draft_candidates()` named; one without proposes nothing this step."""
+        requests `draft_candidates()` named; one without proposes nothing this step.
+        `num_in_flight`: steps sent and not yet reported (speculating requests gather while
+        the pipeline has enough to do, `_speculating_quota`)."""
         self._draft_proposals = draft_proposals or {}
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -269,6 +275,7 @@ class Scheduler:
         partial: list[Request] = []
         num_preempted = self.num_preemptions
         only = self.isolated_id
+        quota = self._speculating_quota(step_id, num_in_flight)
 
         # decode
         for request in list(self.running.values()):
@@ -292,7 +299,12 @@ class Scheduler:
                     request.num_output_tokens + num_pending < request.sampling.max_tokens
                     and num_known < max_model_len
                 ):
-                    drafts = self._propose(request, budget) if self._speculates(request) else []
+                    speculates = self._speculates(request)
+                    if speculates and quota is not None:
+                        if quota == 0:
+                            continue  # it gathers, or goes in the next step
+                        quota -= 1
+                    drafts = self._propose(request, budget) if speculates else []
                     self._schedule_cached(plan, request, 1, num_known, budget, scheduled, drafts)
 
         # prefill: chunks of prompts already running, then new (or resumed) requests
@@ -311,6 +323,8 @@ class Scheduler:
             self._schedule_waiting(plan, budget, only)
         if only is not None and self._isolated_since is None and plan.num_requests:
             self._isolated_since = step_id
+        if quota is not None and not plan.num_requests and not plan.finished_request_ids:
+            self._next_step_id = step_id  # consecutive ids: see `_speculating_quota`
         return plan
 
     # -- speculative decoding --------------------------------------------------------------
@@ -326,6 +340,37 @@ class Scheduler:
             request.num_spec_tokens = 1
         return request.num_spec_tokens > 0
 
+    def _speculating_quota(self, step_id: int, num_in_flight: int) -> int | None:
+        """Async mode: the most speculating decodes the step at `step_id` may take (None:
+        no limit), so that they run in P micro-batches of about R / P each (R: the
+        speculating decodes) rather than in as many as the groups prefill admitted them
+        in. A speculating request is planned only once its result is back, so groups that
+        return apart would never meet, and a step costs nearly as much at a few requests
+        as at many (the weights are read once per step). The ready ones wait (quota 0) while
+        fewer than R / P are back and at least P steps are in flight (the stages have work
+        meanwhile); a larger group is split over consecutive steps. Empty plans give their
+        step ids back, so a gathered group runs at the next consecutive id: stage 0 takes
+        the tokens of every step <= t - P before step t, and a jump would make it wait for
+        the step just before (docs/speculative-decoding.md)."""
+        if self.config.speculative is None or not self.config.is_async:
+            return None
+        num_ready = num_decoding = 0
+        for request in self.running.values():
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens < request.num_prompt_tokens - 1
+                or not self._speculates(request)
+            ):
+                continue
+            num_decoding += 1
+            if not request.pending_step_ids and request.next_step_id <= step_id:
+                num_ready += 1
+        num_stages = self.config.num_stages
+        quota = -(-num_decoding // num_stages)
+        if num_ready < quota and num_in_flight >= num_stages:
+            return 0
+        return quota
+
     def _max_pending(self, request: Request, max_pending: int) -> int:
         """Results a request may have outstanding when planned: none while it speculates
         (the proposer needs its newest tokens, the plan its true position)."""
@@ -333,16 +378,20 @@ class Scheduler:
             return 0
         return max_pending
 
-    def draft_candidates(self) -> list[tuple[Request, int]]:
-        """Draft model: the requests the next `schedule()` may propose tokens for, each with
-        the most tokens it can keep; the draft worker's tokens for them go to `schedule`.
-        Only requests with nothing in flight (their tokens are all known) are named."""
+    def draft_candidates(self, num_in_flight: int = 0) -> list[tuple[Request, int]]:
+        """Draft model: the requests the next `schedule(..., num_in_flight)` may propose
+        tokens for, each with the most tokens it can keep; the draft worker's tokens for
+        them go to `schedule`. Only requests with nothing in flight (their tokens are all
+        known) are named, and no more than the step takes (`_speculating_quota`)."""
         spec = self.config.speculative
         if spec is None or not spec.uses_draft_model or self.is_frozen:
             return []
         step_id, only = self._next_step_id, self.isolated_id
+        quota = self._speculating_quota(step_id, num_in_flight)
         candidates = []
         for request in self.running.values():
+            if quota == 0:
+                break
             if (
                 request.status is not RequestStatus.RUNNING
                 or request.pending_step_ids
@@ -352,6 +401,8 @@ class Scheduler:
                 or not self._speculates(request)
             ):
                 continue
+            if quota is not None:
+                quota -= 1
             room = self._room(request, self.config.max_num_batched_tokens)
             if room > 0:
                 candidates.append((request, room))

@@ -449,14 +449,14 @@ class SchedulerService:
                 observer.begin_step(scheduler.next_step_id)
             proposals = None
             if self.drafts is not None:  # never fails: no answer in time means no proposals
-                candidates = scheduler.draft_candidates()
+                candidates = scheduler.draft_candidates(self._inflight)
                 if candidates:
                     proposals = await self.drafts.propose(candidates, scheduler.requests)
             t0 = time.perf_counter()
-            plan = scheduler.schedule(proposals)
+            plan = scheduler.schedule(proposals, self._inflight)
             self.counters.schedule_s += time.perf_counter() - t0
             if not plan.num_requests and not plan.finished_request_ids:
-                if scheduler.skip_to_next_ready():
+                if scheduler.skip_to_next_ready(plan.step_id):
                     continue
                 break
             self.counters.num_steps += 1

@@ -140,7 +140,10 @@ def drive(
     on_step=None,
 ) -> Trace:
     """Run plans through the fake workers; the result of step s is processed just before
-    step s + result_delay is planned. Stops when nothing is left (or after max_steps)."""
+    step s + result_delay is planned. Where an empty plan gives its id back (speculation,
+    async), the step counter jumps to a request the pipeline rule holds, as the service
+    does, or else the next result is processed at once. Stops when nothing is left (or
+    after max_steps)."""
     trace = trace or Trace()
     in_flight: deque[tuple[int, StepResult]] = deque()
     for _ in range(max_steps):
@@ -152,6 +155,12 @@ def drive(
             trace.process_steps.append((next_step, result.step_id))
             collect(trace, scheduler.process_result(result))
         plan = scheduler.schedule()
+        if scheduler.next_step_id == plan.step_id:  # empty: its id was given back
+            if not scheduler.skip_to_next_ready(plan.step_id) and in_flight:
+                result = in_flight.popleft()[1]
+                trace.process_steps.append((plan.step_id, result.step_id))
+                collect(trace, scheduler.process_result(result))
+            continue
         trace.plans.append(plan)
         in_flight.append((plan.step_id + result_delay, workers.run(plan)))
         if on_step is not None:

@@ -130,6 +130,8 @@ class Request:
     """The tokens proposed in the step in flight (at most one speculative step is)."""
     spec_resume_at: int = field(default=0, init=False)
     """With k = 0: the output count at which the request proposes again (k = 1)."""
+    spec_backoff: int = field(default=0, init=False)
+    """Times in a row k fell to 0: each doubles the wait before the next probe."""
     spec: SpecStats = field(default_factory=SpecStats, init=False)
 
     def __post_init__(self) -> None:

@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 
 _WAITING = (RequestStatus.WAITING.value, RequestStatus.PREEMPTED.value)
+MAX_PROBE_BACKOFF = 3
+"""A request whose speculation keeps failing probes every 16, 32, 64, then 128 tokens
+(`probe_interval` doubled each time, up to 2 ** this)."""
 
 
 class PauseMode(str, enum.Enum):
@@ -208,10 +211,17 @@ class Scheduler:
     def skip_to_next_ready(self, empty_step_id: int) -> bool:
         """Async mode, after an empty plan at step `empty_step_id`: if a running request
         waits only for the pipeline rule (it may run again at step s + P), jumps the step
-        counter to the first later step one of them may run at, so that step is planned now — while step s is still in
-        the stages — rather than after s reports. With one micro-batch (few requests) this
-        keeps the scheduler's round trip off the critical path. Returns whether it jumped."""
+        counter to the first later step one of them may run at, so that step is planned
+        now — while step s is still in the stages — rather than after s reports. With one
+        micro-batch (few requests) this keeps the scheduler's round trip off the critical
+        path. Not while a speculating request's step is in flight: its report comes, and
+        its next step takes the next consecutive id (`_decode_limits`). Returns whether
+        it jumped."""
         if not self.config.is_async or self.is_frozen:
+            return False
+        if self.config.speculative is not None and any(
+            r.pending_step_ids and self._speculates(r) for r in self.running.values()
+        ):
             return False
         ready = [
             r.next_step_id
@@ -259,7 +269,7 @@ class Scheduler:
         `draft_proposals`: with a draft model, the draft worker's tokens for (some of) the
         requests `draft_candidates()` named; one without proposes nothing this step.
         `num_in_flight`: steps sent and not yet reported (speculating requests gather while
-        the pipeline has enough to do, `_speculating_quota`)."""
+        the pipeline has enough to do, `_decode_limits`)."""
         self._draft_proposals = draft_proposals or {}
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -275,7 +285,7 @@ class Scheduler:
         partial: list[Request] = []
         num_preempted = self.num_preemptions
         only = self.isolated_id
-        quota = self._speculating_quota(step_id, num_in_flight)
+        limits = self._decode_limits(step_id, num_in_flight)
 
         # decode
         for request in list(self.running.values()):
@@ -300,10 +310,11 @@ class Scheduler:
                     and num_known < max_model_len
                 ):
                     speculates = self._speculates(request)
-                    if speculates and quota is not None:
-                        if quota == 0:
-                            continue  # it gathers, or goes in the next step
-                        quota -= 1
+                    if limits is not None:
+                        if not limits[1] or (speculates and not limits[0]):
+                            continue  # it goes in the next step, or gathers
+                        limits[0] -= speculates
+                        limits[1] -= 1
                     drafts = self._propose(request, budget) if speculates else []
                     self._schedule_cached(plan, request, 1, num_known, budget, scheduled, drafts)
 
@@ -323,8 +334,8 @@ class Scheduler:
             self._schedule_waiting(plan, budget, only)
         if only is not None and self._isolated_since is None and plan.num_requests:
             self._isolated_since = step_id
-        if quota is not None and not plan.num_requests and not plan.finished_request_ids:
-            self._next_step_id = step_id  # consecutive ids: see `_speculating_quota`
+        if limits is not None and not plan.num_requests and not plan.finished_request_ids:
+            self._next_step_id = step_id  # consecutive ids: see `_decode_limits`
         return plan
 
     # -- speculative decoding --------------------------------------------------------------
@@ -340,36 +351,55 @@ class Scheduler:
             request.num_spec_tokens = 1
         return request.num_spec_tokens > 0
 
-    def _speculating_quota(self, step_id: int, num_in_flight: int) -> int | None:
-        """Async mode: the most speculating decodes the step at `step_id` may take (None:
-        no limit), so that they run in P micro-batches of about R / P each (R: the
-        speculating decodes) rather than in as many as the groups prefill admitted them
-        in. A speculating request is planned only once its result is back, so groups that
-        return apart would never meet, and a step costs nearly as much at a few requests
-        as at many (the weights are read once per step). The ready ones wait (quota 0) while
-        fewer than R / P are back and at least P steps are in flight (the stages have work
+    def _decode_limits(self, step_id: int, num_in_flight: int) -> list[int] | None:
+        """Async mode with speculation: the most [speculating, all] decodes the step at
+        `step_id` may take (None: no limit), so that the decodes run in P micro-batches of
+        about D / P each (D: the decoding requests, R of them speculating) rather than in
+        as many as the groups prefill admitted them in, or in lanes that requests leaving
+        or joining speculation left uneven. A speculating request is planned only once its
+        result is back, so groups that return apart would never meet, and a step costs
+        much the same at a few requests as at several (the weights are read once per
+        step); one of other requests runs every P steps (the pipeline rule) and stays in
+        its lane until a full step moves it to the next. The ready speculating ones wait
+        while they are fewer than R / P, a step in flight holds a group of fewer than
+        R / P to merge with, and at least P steps are in flight (the stages have work
         meanwhile); a larger group is split over consecutive steps. Empty plans give their
         step ids back, so a gathered group runs at the next consecutive id: stage 0 takes
         the tokens of every step <= t - P before step t, and a jump would make it wait for
         the step just before (docs/speculative-decoding.md)."""
         if self.config.speculative is None or not self.config.is_async:
             return None
-        num_ready = num_decoding = 0
+        num_ready = num_speculating = num_decoding = num_others_ready = 0
+        in_flight: dict[int, int] = {}  # step id -> speculating decodes in it
         for request in self.running.values():
             if (
                 request.status is not RequestStatus.RUNNING
                 or request.num_computed_tokens < request.num_prompt_tokens - 1
-                or not self._speculates(request)
             ):
                 continue
             num_decoding += 1
+            if not self._speculates(request):
+                num_others_ready += (
+                    len(request.pending_step_ids) <= 1 and request.next_step_id <= step_id
+                )
+                continue
+            num_speculating += 1
+            for pending in request.pending_step_ids:
+                in_flight[pending] = in_flight.get(pending, 0) + 1
             if not request.pending_step_ids and request.next_step_id <= step_id:
                 num_ready += 1
         num_stages = self.config.num_stages
-        quota = -(-num_decoding // num_stages)
-        if num_ready < quota and num_in_flight >= num_stages:
-            return 0
-        return quota
+        quota = -(-num_speculating // num_stages)
+        total = -(-num_decoding // num_stages)
+        if (
+            num_ready < quota
+            and num_in_flight >= num_stages
+            and any(n < quota for n in in_flight.values())
+        ):
+            quota = 0
+        if (not quota or not num_ready) and in_flight and 2 * num_others_ready < total:
+            total = 0  # a few others alone: they join the next speculating group instead
+        return [quota, total]
 
     def _max_pending(self, request: Request, max_pending: int) -> int:
         """Results a request may have outstanding when planned: none while it speculates
@@ -382,12 +412,13 @@ class Scheduler:
         """Draft model: the requests the next `schedule(..., num_in_flight)` may propose
         tokens for, each with the most tokens it can keep; the draft worker's tokens for
         them go to `schedule`. Only requests with nothing in flight (their tokens are all
-        known) are named, and no more than the step takes (`_speculating_quota`)."""
+        known) are named, and no more than the step takes (`_decode_limits`)."""
         spec = self.config.speculative
         if spec is None or not spec.uses_draft_model or self.is_frozen:
             return []
         step_id, only = self._next_step_id, self.isolated_id
-        quota = self._speculating_quota(step_id, num_in_flight)
+        limits = self._decode_limits(step_id, num_in_flight)
+        quota = None if limits is None else min(limits)
         candidates = []
         for request in self.running.values():
             if quota == 0:
@@ -443,8 +474,12 @@ class Scheduler:
         k = next_num_tokens(
             request.num_spec_tokens, num_drafts, num_accepted, spec.num_speculative_tokens
         )
-        if k == 0 and request.num_spec_tokens:
-            request.spec_resume_at = request.num_output_tokens + spec.probe_interval
+        if k == 0 and request.num_spec_tokens:  # probe again later, later each time
+            wait = spec.probe_interval << request.spec_backoff
+            request.spec_resume_at = request.num_output_tokens + wait
+            request.spec_backoff = min(request.spec_backoff + 1, MAX_PROBE_BACKOFF)
+        elif k > request.num_spec_tokens:
+            request.spec_backoff = 0
         request.num_spec_tokens = k
 
     def _chunk(self, num_remaining: int, num_budget: int) -> int:

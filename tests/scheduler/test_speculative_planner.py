@@ -322,10 +322,10 @@ def test_speculative_step_in_flight_when_preempted_or_aborted(scheduling):
 
 
 def test_speculating_decodes_gather_into_p_micro_batches():
-    """Async, P = 2: speculating requests admitted in two groups (2, then 6) run as two
-    micro-batches of 4. The first group waits while the pipeline has P steps to do, runs
-    alone when it would otherwise idle, and a group larger than R / P is split over
-    consecutive steps; a plan left empty gives its step id back."""
+    """Async, P = 2: speculating requests admitted in two groups (2, then 6) end up in two
+    micro-batches of R / P = 4. A group larger than that is split over consecutive steps;
+    a smaller one waits, while P steps are in flight, for a smaller group in flight to
+    merge with, and goes alone when there is none; a plan left empty gives its id back."""
     config = make_config(
         scheduling="async", num_stages=2, speculative=SPEC, max_num_batched_tokens=64
     )
@@ -340,26 +340,27 @@ def test_speculating_decodes_gather_into_p_micro_batches():
         scheduler.add_request(request)
     step1 = scheduler.schedule(None, 1)
     assert (step0.num_requests, step1.num_requests) == (2, 6)
-    scheduler.process_result(workers.run(step0))  # 2 of 8 ready, step 1 in flight
 
-    held = scheduler.schedule(None, 2)  # P steps in flight: the stages have work
-    assert held.num_requests == 0 and scheduler.next_step_id == held.step_id == 2
+    def decodes(plan):
+        assert all(e.spec_token_ids for e in plan.cached_requests) and not plan.new_requests
+        return sorted(e.request_id for e in plan.cached_requests)
+
+    scheduler.process_result(workers.run(step0))
+    alone = scheduler.schedule(None, 2)  # no smaller group in flight: it goes now
+    assert decodes(alone) == ["rep0", "rep1"]
+    scheduler.process_result(workers.run(step1))  # the 6 are back: 4 go now
+    split = scheduler.schedule(None, 1)
+    assert split.step_id == 3 and len(decodes(split)) == 4
+    held = scheduler.schedule(None, 2)  # the other 2 wait for the 2 in flight
+    assert held.num_requests == 0 and scheduler.next_step_id == held.step_id == 4
     assert scheduler.draft_candidates(2) == []
-    alone = scheduler.schedule(None, 1)  # the pipeline would idle: they run now
-    assert alone.step_id == 2 and len(alone.cached_requests) == 2
 
-    scheduler.process_result(workers.run(step1))  # the 6 are back
-    third = scheduler.schedule(None, 1)
-    fourth = scheduler.schedule(None, 1)
-    assert (third.step_id, fourth.step_id) == (3, 4)
-    assert len(third.cached_requests) == 4, "R / P of the 6 ready, the rest in the next step"
-    assert len(fourth.cached_requests) == 2
-    assert all(e.spec_token_ids for p in (alone, third, fourth) for e in p.cached_requests)
     scheduler.process_result(workers.run(alone))
-    scheduler.process_result(workers.run(third))
-    regrouped = scheduler.schedule(None, 1)
-    assert len(regrouped.cached_requests) == 4, "the first two join two of the others"
-    assert {e.request_id for e in regrouped.cached_requests} >= {"rep0", "rep1"}
+    merged = scheduler.schedule(None, 1)
+    assert merged.step_id == 4 and len(decodes(merged)) == 4
+    assert {"rep0", "rep1"} <= set(decodes(merged))
+    scheduler.process_result(workers.run(split))
+    assert decodes(scheduler.schedule(None, 1)) == decodes(split), "two micro-batches of 4"
 
 
 def test_speculative_config_flag_of_up_and_scheduler_names_the_mistake(capsys):

@@ -10,6 +10,7 @@ proposed, accepted, preempted or stopped.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -361,6 +362,79 @@ def test_speculating_decodes_gather_into_p_micro_batches():
     assert {"rep0", "rep1"} <= set(decodes(merged))
     scheduler.process_result(workers.run(split))
     assert decodes(scheduler.schedule(None, 1)) == decodes(split), "two micro-batches of 4"
+
+
+def _serve(config, requests, on_plan=None) -> tuple[Scheduler, Trace]:
+    """The scheduler service's loop, steps reported in order: plan while fewer than
+    `steps_in_flight` fly (an empty plan: jump to a request the pipeline rule holds, or
+    wait), then take the oldest step's report. `on_plan()` runs after each plan."""
+    scheduler = Scheduler(config)
+    for request in requests:
+        scheduler.add_request(request)
+    workers = SpecWorkers({r.request_id: r for r in requests}, True, config.block_size)
+    trace, in_flight = Trace(), deque()
+    while scheduler.has_unfinished or in_flight:
+        while len(in_flight) < config.steps_in_flight and scheduler.has_unfinished:
+            plan = scheduler.schedule(None, len(in_flight))
+            if on_plan is not None:
+                on_plan()
+            if not plan.num_requests and not plan.finished_request_ids:
+                if scheduler.skip_to_next_ready(plan.step_id):
+                    continue
+                break
+            trace.plans.append(plan)
+            in_flight.append(workers.run(plan))
+        collect(trace, scheduler.process_result(in_flight.popleft()))
+        assert len(trace.plans) < 2000
+    return scheduler, trace
+
+
+def test_speculation_keeps_decodes_in_p_balanced_micro_batches_and_probes_back_off():
+    """Async, P = 2, 7 requests whose outputs copy their prompts and 3 whose do not: the
+    latter's k falls to 0, and they probe again after 16, then 32, then 64 tokens. Every
+    step holds at most D / P decodes (so lanes stay even as requests leave speculation),
+    none holds only a plain decode while speculating steps fly (it joins their next
+    one), and the step ids stay consecutive meanwhile."""
+    config = make_config(
+        scheduling="async",
+        num_stages=2,
+        speculative=SPEC,
+        max_model_len=256,
+        num_blocks=400,
+        max_num_batched_tokens=64,
+    )
+    copying = [make_request(f"rep{i}", 8, 200, ignore_eos=True) for i in range(7)]
+    others = [make_request(f"q{i}", 9, 200, ignore_eos=True) for i in range(3)]
+    requests = copying + others
+    probes: dict[str, list[int]] = {r.request_id: [] for r in others}  # outputs then
+    k_before = {}
+
+    def note_probes():
+        for request in others:
+            if k_before.get(request.request_id) == 0 and request.num_spec_tokens:
+                probes[request.request_id].append(request.num_output_tokens)
+            k_before[request.request_id] = request.num_spec_tokens
+
+    scheduler, trace = _serve(config, requests, note_probes)
+    assert trace.outputs == {r.request_id: expected_output(r, 256) for r in requests}
+
+    last_copy = max(
+        i
+        for i, plan in enumerate(trace.plans)
+        if any(e.request_id.startswith("rep") for e in plan.cached_requests)
+    )
+    for i, (before, plan) in enumerate(zip(trace.plans, trace.plans[1:], strict=False)):
+        decodes = [e for e in plan.cached_requests if e.num_scheduled_tokens == 1]
+        assert len(decodes) <= 5, "more than D / P decodes in one step"
+        # a plain (k = 0) decode's entry leaves the inputs to the stages
+        if i < last_copy and decodes and all(e.num_computed_tokens is None for e in decodes):
+            assert len(decodes) > 1, f"step {plan.step_id}: a plain decode alone"
+        if any(e.spec_token_ids for e in before.cached_requests):
+            assert plan.step_id == before.step_id + 1
+    for request_id, positions in probes.items():
+        # a failed probe yields one token, then the request decodes 32 (then 64) without
+        gaps = [b - a for a, b in zip(positions, positions[1:], strict=False)]
+        assert gaps[:2] == [1 + 32, 1 + 64], (request_id, positions)
 
 
 def test_speculative_config_flag_of_up_and_scheduler_names_the_mistake(capsys):

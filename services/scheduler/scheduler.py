@@ -353,20 +353,21 @@ class Scheduler:
 
     def _decode_limits(self, step_id: int, num_in_flight: int) -> list[int] | None:
         """Async mode with speculation: the most [speculating, all] decodes the step at
-        `step_id` may take (None: no limit), so that the decodes run in P micro-batches of
-        about D / P each (D: the decoding requests, R of them speculating) rather than in
-        as many as the groups prefill admitted them in, or in lanes that requests leaving
-        or joining speculation left uneven. A speculating request is planned only once its
-        result is back, so groups that return apart would never meet, and a step costs
+        `step_id` may take (None: no limit), so that decodes run in P even micro-batches
+        (D decoding requests, R of them speculating; docs/speculative-decoding.md).
+
+        A speculating request is planned only once its result is back, so groups that
+        prefill admitted apart, or that return apart, would never meet, and a step costs
         much the same at a few requests as at several (the weights are read once per
-        step); one of other requests runs every P steps (the pipeline rule) and stays in
-        its lane until a full step moves it to the next. The ready speculating ones wait
-        while they are fewer than R / P, a step in flight holds a group of fewer than
-        R / P to merge with, and at least P steps are in flight (the stages have work
-        meanwhile); a larger group is split over consecutive steps. Empty plans give their
-        step ids back, so a gathered group runs at the next consecutive id: stage 0 takes
-        the tokens of every step <= t - P before step t, and a jump would make it wait for
-        the step just before (docs/speculative-decoding.md)."""
+        step). So: a step takes at most ceil(R / P) speculating decodes (a larger group
+        is split over consecutive steps) and ceil(D / P) in all (a request on the ordinary
+        path whose step is full moves to the next one: lanes stay even as requests start
+        or stop speculating). Speculating requests that are back wait (limit 0) while
+        they are fewer than R / P, at least P steps are in flight and one of those holds a
+        smaller group to merge with; a few ordinary decodes wait for the next speculating
+        step rather than run alone while speculating steps fly. Empty plans give their
+        step ids back, so ids stay consecutive: stage 0 takes the tokens of every step
+        <= t - P before step t, and a gap would make it wait for the step just before."""
         if self.config.speculative is None or not self.config.is_async:
             return None
         num_ready = num_speculating = num_decoding = num_others_ready = 0

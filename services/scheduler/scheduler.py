@@ -334,7 +334,8 @@ class Scheduler:
             self._schedule_waiting(plan, budget, only)
         if only is not None and self._isolated_since is None and plan.num_requests:
             self._isolated_since = step_id
-        if limits is not None and not plan.num_requests and not plan.finished_request_ids:
+        is_empty = not plan.num_requests and not plan.finished_request_ids
+        if is_empty and limits is not None and self.config.speculative is not None:
             self._next_step_id = step_id  # consecutive ids: see `_decode_limits`
         return plan
 
@@ -352,23 +353,27 @@ class Scheduler:
         return request.num_spec_tokens > 0
 
     def _decode_limits(self, step_id: int, num_in_flight: int) -> list[int] | None:
-        """Async mode with speculation: the most [speculating, all] decodes the step at
-        `step_id` may take (None: no limit), so that decodes run in P even micro-batches
-        (D decoding requests, R of them speculating; docs/speculative-decoding.md).
+        """Async mode: the most [speculating, all] decodes the step at `step_id` may take
+        (None: no limit), so that decodes run in P even micro-batches (D decoding
+        requests, R of them speculating). A request runs again P steps after its last
+        (the pipeline rule), so it keeps the lane its prefill ended in, and the token
+        budget or max_num_seqs can leave lanes of 7 and 3: a step takes at most
+        ceil(D / P) decodes, and one it leaves out runs in the next step, the other lane
+        (docs/performance.md#even-micro-batches).
 
-        A speculating request is planned only once its result is back, so groups that
-        prefill admitted apart, or that return apart, would never meet, and a step costs
-        much the same at a few requests as at several (the weights are read once per
-        step). So: a step takes at most ceil(R / P) speculating decodes (a larger group
-        is split over consecutive steps) and ceil(D / P) in all (a request on the ordinary
-        path whose step is full moves to the next one: lanes stay even as requests start
-        or stop speculating). Speculating requests that are back wait (limit 0) while
-        they are fewer than R / P, at least P steps are in flight and one of those holds a
-        smaller group to merge with; a few ordinary decodes wait for the next speculating
-        step rather than run alone while speculating steps fly. Empty plans give their
-        step ids back, so ids stay consecutive: stage 0 takes the tokens of every step
-        <= t - P before step t, and a gap would make it wait for the step just before."""
-        if self.config.speculative is None or not self.config.is_async:
+        With speculation (docs/speculative-decoding.md): a speculating request is
+        planned only once its result is back, so groups that prefill admitted apart, or
+        that return apart, would never meet, and a step costs much the same at a few
+        requests as at several (the weights are read once per step). So a step also
+        takes at most ceil(R / P) speculating decodes (a larger group is split over
+        consecutive steps), and lanes stay even as requests start or stop speculating.
+        Speculating requests that are back wait (limit 0) while they are fewer than
+        R / P, at least P steps are in flight and one of those holds a smaller group to
+        merge with; a few ordinary decodes wait for the next speculating step rather than
+        run alone while speculating steps fly. Empty plans give their step ids back, so
+        ids stay consecutive: stage 0 takes the tokens of every step <= t - P before step
+        t, and a gap would make it wait for the step just before."""
+        if not self.config.is_async:
             return None
         num_ready = num_speculating = num_decoding = num_others_ready = 0
         in_flight: dict[int, int] = {}  # step id -> speculating decodes in it

@@ -180,6 +180,21 @@ def test_schedule_pipeline_spacing_async_and_sync():
         assert steps == expected_steps, scheduling
 
 
+def test_schedule_async_evens_the_micro_batches():
+    """Async, P = 2: 10 requests that max_num_seqs admits 7, then 3, decode in two
+    micro-batches of 5, not 7 and 3: a step takes at most ceil(D / P) decodes, and a
+    request it leaves out runs in the next step (the other lane)."""
+    config = make_config(
+        scheduling="async", num_stages=2, max_num_seqs=7, max_num_batched_tokens=128
+    )
+    requests = [make_request(f"r{i}", 10, 12, ignore_eos=True) for i in range(10)]
+    _, _, trace = _run(config, requests, 2)
+    assert [len(p.new_requests) for p in trace.plans[:2]] == [7, 3]
+    decodes = [len(p.cached_requests) for p in trace.plans[2:12]]
+    assert max(decodes) == 5 and decodes[-4:] == [5, 5, 5, 5], decodes
+    assert trace.outputs == {r.request_id: expected_output(r, 128) for r in requests}
+
+
 def test_schedule_chunks_a_long_prompt_in_consecutive_steps():
     config = make_config(max_num_batched_tokens=8, num_stages=3, max_model_len=64)
     _, _, trace = _run(config, [make_request("r", 30, 2, ignore_eos=True)], result_delay=3)

@@ -12,7 +12,6 @@ speculation (health stays SERVING), and its restart brings the proposals back.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +48,10 @@ def spec_stack(tmp_path_factory, spec_redis):
         # deadline, and the client then rests 5 s, longer than a reference run (seen in CI).
         wait_until(lambda: _draft_answered(stack), 120, interval_s=1.0)
         yield stack
+
+
+def _changes_since_save(redis_proc: RedisProcess) -> int:
+    return redis_proc.client().info("persistence")["rdb_changes_since_last_save"]
 
 
 def _draft_answered(stack: UpStack) -> bool:
@@ -134,8 +137,11 @@ def test_redis_restarted_loses_nothing_with_speculation(
 
     def restart() -> None:
         if snapshot == "stale":
-            spec_redis.save()  # the snapshot the restart loads: some tokens behind
-            time.sleep(1.0)
+            spec_redis.save()  # the snapshot the restart loads: some flushes behind
+            # Not a fixed sleep: speculating streams may all end within a second, and a
+            # restart after that tests nothing (the scheduler then closes the stale entries
+            # at once, so the wait below never sees them).
+            wait_until(lambda: _changes_since_save(spec_redis) >= 3, 30, interval_s=0.01)
         spec_redis.kill()
         spec_redis.start(fresh=snapshot == "empty")
         wait_until(lambda: spec_redis.client().zcard("conveyor:unfinished") > 0, 30)

@@ -375,15 +375,19 @@ class Scheduler:
         t, and a gap would make it wait for the step just before."""
         if not self.config.is_async:
             return None
-        num_ready = num_speculating = num_decoding = num_others_ready = 0
+        num_stages = self.config.num_stages
+        decoding = [
+            r
+            for r in self.running.values()
+            if r.status is RequestStatus.RUNNING
+            and r.num_computed_tokens >= r.num_prompt_tokens - 1
+        ]
+        total = -(-len(decoding) // num_stages)
+        if self.config.speculative is None:  # a hot path: only D is needed
+            return [0, total]
+        num_ready = num_speculating = num_others_ready = 0
         in_flight: dict[int, int] = {}  # step id -> speculating decodes in it
-        for request in self.running.values():
-            if (
-                request.status is not RequestStatus.RUNNING
-                or request.num_computed_tokens < request.num_prompt_tokens - 1
-            ):
-                continue
-            num_decoding += 1
+        for request in decoding:
             if not self._speculates(request):
                 num_others_ready += (
                     len(request.pending_step_ids) <= 1 and request.next_step_id <= step_id
@@ -394,9 +398,7 @@ class Scheduler:
                 in_flight[pending] = in_flight.get(pending, 0) + 1
             if not request.pending_step_ids and request.next_step_id <= step_id:
                 num_ready += 1
-        num_stages = self.config.num_stages
         quota = -(-num_speculating // num_stages)
-        total = -(-num_decoding // num_stages)
         if (
             num_ready < quota
             and num_in_flight >= num_stages

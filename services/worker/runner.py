@@ -34,7 +34,7 @@ from services.worker.model.llama import StageModel
 from services.worker.model.loader import resolve_dtype
 from services.worker.model.quant import load_quantized_stage
 from services.worker.model.stages import logits_layer_equivalents, stage_spec
-from services.worker.sampler import Sampler, SamplingBatch
+from services.worker.sampler import Sampler, SamplingBatch, argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class StageRunner:
         logits = self.model.compute_logits(hidden[rows])  # [R, V] float32; None: tp rank > 0
         logprobs = None
         if logits is not None and all(self._is_plain_greedy(s) for s in states):
-            sampled = logits.argmax(dim=-1)  # what the sampler gives them, without its tensors
+            sampled = argmax_rows(logits)  # what the sampler gives them, without its tensors
         elif logits is not None:
             # per row: its request, and the outputs it is sampled after (copies: only here)
             row_states = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.common.sampling import SamplingParams
-from services.worker.sampler import Sampler, SamplingBatch
+from services.worker.sampler import Sampler, SamplingBatch, argmax_rows
 
 # Probabilities of a 4-token vocabulary used by the truncation tests.
 FOUR_PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -42,6 +42,26 @@ def entropy(token_ids: list[int]) -> float:
     counts = torch.bincount(torch.tensor(token_ids)).float()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
+
+
+def test_argmax_rows_matches_torch_argmax_on_ties_nan_and_infinities():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0],  # a tie: the first maximum
+            [1.0, nan, 3.0, nan],  # NaN counts as the maximum
+            [-inf, -inf, -inf, -inf],
+            [inf, 1.0, inf, 0.0],
+            [0.0, -0.0, -1.0, -2.0],
+        ]
+    )
+    wide = torch.randn(7, 49152)
+    wide[3, 100] = wide[3, 200] = wide[3].max() + 1  # a tie in a long row
+    for logits in (x, wide, wide[:, ::3], wide.t().contiguous().t(), x[:0]):
+        got = argmax_rows(logits)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, logits.argmax(dim=-1)), logits.shape
+    assert argmax_rows(wide.bfloat16()).tolist() == wide.bfloat16().argmax(dim=-1).tolist()
 
 
 def test_sampler_greedy_takes_argmax():

@@ -73,6 +73,13 @@ inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each fl
 }
 #endif
 
+// Bytes ahead of a streaming loop that it asks the cache for, once per cache line: the
+// hardware prefetchers do not run far enough ahead of a busy loop, so the memory wait and
+// the arithmetic add up instead of overlapping (an AVX2 AMD EPYC: docs/performance.md, "On
+// CPUs without AVX-512"; a Xeon with AVX-512 and AMX: 1-row int8 matmuls of a decode step
+// 0.75-0.8x the time with it, "One request" there). 1, 2 and 4 KiB measured alike.
+constexpr int64_t kStreamAhead = 2048;
+
 // x . w over K: four accumulators (AVX-512 or AVX2), since one chain of dependent FMAs
 // waits on the FMA latency, which for bfloat16 weights (a widening per vector) is slower
 // than memory; the compiler does not split a reduction by itself (on an AVX2 Zen 2 core,
@@ -84,6 +91,8 @@ inline float dot(const float* x, const W* w, int64_t K) {
 #ifdef __AVX512F__
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (; k + 64 <= K; k += 64) {
+    for (int64_t line = 0; line < 64 * int64_t(sizeof(W)); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kStreamAhead + line, _MM_HINT_T0);
     a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), a0);
     a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load16(w + k + 16), a1);
     a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load16(w + k + 32), a2);
@@ -264,6 +273,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int1
       for (int j = 0; j < RW; ++j) acc[i][j] = _mm512_setzero_si512();
     for (const int64_t end = std::min(K, k + kChunk); k + 32 <= end; k += 32) {
       __m512i wv[RW];
+      if constexpr (std::is_same_v<W, int8_t>)
+        if ((k & 63) == 0)
+          for (int j = 0; j < RW; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kStreamAhead), _MM_HINT_T0);
       for (int j = 0; j < RW; ++j) wv[j] = load32(w + j * K + k);
       for (int i = 0; i < RX; ++i) {
         const __m512i xv = _mm512_loadu_si512(xq + i * K + k);
@@ -316,7 +329,6 @@ __attribute__((target("avx2"))) void tile_avx2(const int16_t* xq, const W* w, in
   tail_sums<W, RX, RW>(xq, w, K, k, sums);
 }
 
-constexpr int64_t kStreamAhead = 2048;  // bytes; 1, 2 and 4 KiB measured alike
 // A decode batch (RX <= kTileX rows of x) against one int8 weight row on AVX2, the rows
 // taken one after another so the weights are read front to back, 64 k per step, with the
 // bytes kStreamAhead further on requested once per cache line. On AMD Zen cores the

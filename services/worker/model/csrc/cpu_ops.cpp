@@ -579,12 +579,16 @@ void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
       for (int64_t k = 0; k < K; ++k)
         q[k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[r * K + k]) * inv));
       x_scale[r] = amax / 32767.f;
-      if (amx)  // row r % 16 of the hi and lo tiles of each k block
-        for (int64_t k = 0; k < K; ++k) {
-          uint8_t* tiles =
-              xt.data() + (r / 16 * (Kp / 64) + k / 64) * 2048 + r % 16 * 64 + k % 64;
-          tiles[0] = static_cast<uint8_t>(q[k] >> 8);
-          tiles[1024] = static_cast<uint8_t>(q[k] & 0xff);
+      if (amx)  // row r % 16 of the hi and lo tiles of each k block, 64 bytes each
+        for (int64_t kb = 0; kb * 64 < K; ++kb) {
+          uint8_t* hi = xt.data() + (r / 16 * (Kp / 64) + kb) * 2048 + r % 16 * 64;
+          uint8_t* lo = hi + 1024;
+          const int16_t* block = q + kb * 64;
+          const int64_t n = std::min<int64_t>(64, K - kb * 64);
+          for (int64_t i = 0; i < n; ++i) {  // contiguous: the compiler vectorizes it
+            hi[i] = static_cast<uint8_t>(block[i] >> 8);
+            lo[i] = static_cast<uint8_t>(block[i] & 0xff);
+          }
         }
     }
   });

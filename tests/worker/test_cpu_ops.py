@@ -155,13 +155,21 @@ def test_rope_write_kv_ropes_q_and_k_and_fills_the_cache(dtype):
         )
 
 
-def test_bfloat16_cache_decode_attention_equals_the_torch_reference():
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads"),
+    [(32, 6, 2), (64, 9, 3), (64, 8, 2), (64, 2, 2), (64, 10, 2)],  # 64 x group <= 4: fast path
+)
+def test_bfloat16_cache_decode_attention_equals_the_torch_reference(
+    head_dim, num_heads, num_kv_heads
+):
     gen = torch.Generator().manual_seed(7)
-    k_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
-    v_cache = torch.randn(12, 16, 2, 32, generator=gen).bfloat16()
-    q = torch.randn(3, 6, 32, generator=gen).bfloat16()
-    tables = torch.tensor([[0, 5, 7, 0], [1, 2, 3, 4], [9, 0, 0, 0]], dtype=torch.int32)
-    lens = torch.tensor([40, 64, 3], dtype=torch.int32)
+    k_cache = torch.randn(12, 16, num_kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(12, 16, num_kv_heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(4, num_heads, head_dim, generator=gen).bfloat16()
+    tables = torch.tensor(
+        [[0, 5, 7, 0], [1, 2, 3, 4], [9, 0, 0, 0], [6, 0, 0, 0]], dtype=torch.int32
+    )
+    lens = torch.tensor([40, 64, 3, 1], dtype=torch.int32)
     ours = cpu_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
     ref = torch_backend.decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
     assert ours.dtype == torch.bfloat16

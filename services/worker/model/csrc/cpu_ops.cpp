@@ -931,9 +931,9 @@ inline void axpy_widen(float alpha, const uint16_t* x, float* y, int64_t n) {
 // head_dim 64 (SmolLM2), up to 4 query heads per KV head: one KV head's query rows (and
 // then its output rows) stay in registers while its context streams past, each key and
 // value row widened once for all of them (the plain loops below re-widen a row for every
-// query head and keep the output in memory). One request's call: 0.65-0.85x the time; a
-// 64-request step's calls wait on reading the context as before (docs/performance.md).
-// `offsets[t]`: token t's row in the caches.
+// query head and keep the output in memory). A step's attention: 0.55-0.85x the time
+// (docs/performance.md, "The bf16-cache decode attention"). `offsets[t]`: token t's row in
+// the caches.
 template <int G>
 void scores_d64(const float* query, const uint16_t* k, const int64_t* offsets, int64_t len,
                 float scale, float* scores) {  // query [G, 64] -> scores [G, len] (stride len)

@@ -38,7 +38,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     numpy's 8 us and 0.64 ms (docs/performance.md#the-argmax-of-the-logits)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         return x.argmax(dim=-1)
-    return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
 
 
 @dataclass(slots=True)

@@ -77,8 +77,9 @@ inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of each fl
 // Bytes ahead of a streaming loop that it asks the cache for, once per cache line: the
 // hardware prefetchers do not run far enough ahead of a busy loop, so the memory wait and
 // the arithmetic add up instead of overlapping (an AVX2 AMD EPYC: docs/performance.md, "On
-// CPUs without AVX-512"; a Xeon with AVX-512 and AMX: 1-row int8 matmuls of a decode step
-// 0.75-0.8x the time with it, "One request" there). 1, 2 and 4 KiB measured alike.
+// CPUs without AVX-512"; a Xeon with AVX-512 and AMX: a decode step's 1-row matmuls
+// 0.7-0.8x the time with it, "Software prefetch in the decode matmuls" there). 1, 2 and 4
+// KiB measured alike.
 constexpr int64_t kStreamAhead = 2048;
 
 // x . w over K: four accumulators (AVX-512 or AVX2), since one chain of dependent FMAs
@@ -975,13 +976,12 @@ void values_d64(const float* probs, const uint16_t* v, const int64_t* offsets, i
 }
 
 template <typename F>
-bool with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>) for G in 1..4
+void with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>), G = group <= 4
   switch (group) {
-    case 1: f(std::integral_constant<int, 1>{}); return true;
-    case 2: f(std::integral_constant<int, 2>{}); return true;
-    case 3: f(std::integral_constant<int, 3>{}); return true;
-    case 4: f(std::integral_constant<int, 4>{}); return true;
-    default: return false;
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
   }
 }
 #endif

@@ -107,7 +107,8 @@ def main() -> None:
             quantization=quantization,
             num_threads=args.threads,
             max_model_len=args.context + 16,
-            kv_cache_memory="256MiB",
+            # 64 KiB a token covers SmolLM2's fp32 KV (46 KiB) for every request
+            kv_cache_memory=f"{max(256, args.batch * (args.context + 16) // 16)}MiB",
         )
         runner = StageRunner.from_config(config)
         attend = runner.model.layers[0].self_attn.attend

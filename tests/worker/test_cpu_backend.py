@@ -11,6 +11,21 @@ import torch
 from kernels.metadata import AttentionMetadata
 from services.worker import cpp_build
 from services.worker.attention import cpu_backend, torch_backend
+from services.worker.model import cpu_ops
+
+# The decode kernels: model/cpu_ops.py's (what cpu_backend.decode_attention runs where it
+# builds) and this backend's own, its fallback.
+DECODE_KERNELS = ["cpu_ops", "fallback"]
+
+
+def decode(kernel, q, k_cache, v_cache, tables, lens, scale):
+    if kernel == "cpu_ops":
+        if not cpu_ops.available():
+            pytest.skip("model/cpu_ops.py does not build here")
+        return cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    return cpu_backend.load_kernels().paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale
+    )
 
 
 def paged_decode_case(
@@ -36,39 +51,55 @@ def paged_decode_case(
     return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (9, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size):
+def test_decode_kernel_matches_reference(kernel, num_heads, num_kv_heads, block_size):
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70]
     args = paged_decode_case(len(seq_lens), num_heads, num_kv_heads, 32, block_size, seq_lens)
     scale = 32**-0.5
-    ours = cpu_backend.decode_attention(*args, scale)
+    ours = decode(kernel, *args, scale)
     ref = torch_backend.decode_attention(*args, scale)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_decode_kernel_handles_head_dims_and_peaked_softmax(head_dim):
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads"),  # head_dim 64, group <= 4: cpu_ops' fast path
+    [(64, 6, 2), (64, 8, 2), (64, 10, 2), (80, 6, 2), (128, 6, 2)],
+)
+def test_decode_kernel_handles_head_dims_and_peaked_softmax(
+    kernel, head_dim, num_heads, num_kv_heads
+):
     """Large keys make most probabilities underflow (the kernel zeroes exp below e^-30)."""
     seq_lens = [300, 17, 129]
-    args = paged_decode_case(3, 6, 2, head_dim, 16, seq_lens, seed=3, key_scale=8.0)
+    args = paged_decode_case(
+        3, num_heads, num_kv_heads, head_dim, 16, seq_lens, seed=3, key_scale=8.0
+    )
     scale = head_dim**-0.5
-    ours = cpu_backend.decode_attention(*args, scale)
+    ours = decode(kernel, *args, scale)
     ref = torch_backend.decode_attention(*args, scale)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_kernel_uses_threads_without_changing_results():
-    args = paged_decode_case(16, 8, 2, 64, 16, [50 + 7 * i for i in range(16)], seed=5)
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("num_seqs", [1, 16])  # one sequence: its KV heads go to the threads
+def test_decode_kernel_uses_threads_without_changing_results(kernel, num_seqs):
+    seq_lens = [50 + 7 * i for i in range(num_seqs)]
+    args = paged_decode_case(num_seqs, 8, 2, 64, 16, seq_lens, seed=5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_backend.decode_attention(*args, 0.125)
+        one = decode(kernel, *args, 0.125)
         torch.set_num_threads(2)
-        two = cpu_backend.decode_attention(*args, 0.125)
+        two = decode(kernel, *args, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+    # a sequence's rows do not depend on the others in the batch (sync = async tokens)
+    q, k_cache, v_cache, tables, lens = args
+    alone = decode(kernel, q[:1], k_cache, v_cache, tables[:1], lens[:1], 0.125)
+    assert torch.equal(alone, one[:1])
 
 
 def test_other_caches_take_the_bfloat16_kernel_or_the_reference_path():
@@ -94,6 +125,16 @@ def test_kernel_rejects_bad_inputs_with_a_message():
     starts = torch.tensor([0, 1, 3], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="does not cover"):
         kernels.paged_chunk_attention(q, k_cache, v_cache, tables, lens, starts, 0.25)
+    if not cpu_ops.available():
+        return
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        cpu_ops.decode_attention(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 0.25)
+    with pytest.raises(RuntimeError, match="both caches alike"):
+        cpu_ops.decode_attention(q, k_cache, v_cache.bfloat16(), tables, lens, 0.25)
+    with pytest.raises(RuntimeError, match="bad block id"):
+        cpu_ops.decode_attention(q, k_cache, v_cache, tables + 1000, lens, 0.25)
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens * 10, 0.25)
 
 
 def chunk_case(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens, seed=0):

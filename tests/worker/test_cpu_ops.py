@@ -278,8 +278,8 @@ def test_bf16_decode_attention_takes_a_bf16_query_as_the_casts_around_it_would()
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([19, 30, 0], dtype=torch.int32)  # the last one has no context
     kernels = cpu_ops.load_kernels()
-    ours = kernels.decode_attention_bf16(q, k_cache, v_cache, tables, lens, 0.125)
-    cast = kernels.decode_attention_bf16(q.float(), k_cache, v_cache, tables, lens, 0.125)
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    cast = kernels.decode_attention(q.float(), k_cache, v_cache, tables, lens, 0.125)
     assert ours.dtype == torch.bfloat16
     assert torch.equal(ours, cast.bfloat16())
     assert not ours[2].any()

@@ -15,7 +15,9 @@ pays off.
 The kernels are compiled once per machine with `torch.utils.cpp_extension` (g++ and ninja,
 about 20 s) into $TORCH_EXTENSIONS_DIR/conveyor-<torch version>/ (default
 ~/.cache/torch_extensions); later loads take milliseconds. Float32 caches only: other dtypes
-take the torch reference (bfloat16 decode rows: model/cpu_ops.py).
+take the torch reference. Decode rows over float32 and bfloat16 caches run on the twin
+kernel in model/cpu_ops.py where that builds (AVX-512 register blocking, a work item per
+sequence and KV head); this module's decode kernel is its fallback.
 """
 
 from __future__ import annotations
@@ -82,13 +84,14 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """torch_backend.decode_attention on the C++ kernel (float32 caches; bfloat16 caches
-    on its twin in model/cpu_ops.py when that builds)."""
-    if k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu":
+    """torch_backend.decode_attention on a C++ kernel: model/cpu_ops.py's for float32 and
+    bfloat16 caches where that builds (a work item per sequence and KV head), else this
+    module's for float32 caches; other caches take the torch path."""
+    if k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu":
         from services.worker.model import cpu_ops  # imports this module: not at the top
 
         if cpu_ops.available():
-            return cpu_ops.decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return cpu_ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if k_cache.dtype != torch.float32 or k_cache.device.type != "cpu":
         return torch_backend.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = load_kernels().paged_decode_attention(

@@ -145,7 +145,7 @@ def rope_write_kv(
     )
 
 
-def decode_attention_bf16(
+def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -153,11 +153,11 @@ def decode_attention_bf16(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The CPU decode attention (attention/cpu_backend.py) over bfloat16 KV caches:
-    q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32 (a
+    """The CPU decode attention (attention/cpu_backend.py) over float32 or bfloat16 KV
+    caches: q [B, Hq, D] -> [B, Hq, D] in q's dtype, softmax and accumulation in float32 (a
     bfloat16 q is widened and the output rounded in the kernel, as torch's casts would)."""
     native = q.dtype in (torch.float32, torch.bfloat16)
-    out = load_kernels().decode_attention_bf16(
+    out = load_kernels().decode_attention(
         (q if native else q.to(torch.float32)).contiguous(),
         k_cache,
         v_cache,

@@ -906,43 +906,48 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_t
   return q;
 }
 
-// ------------------------------------------------------------------ decode attention, bf16 KV
-// attention/csrc/paged_decode.cpp for bfloat16 caches: the same algorithm (one query token
-// per sequence, its context read in place, all query heads of a KV head together, softmax
-// in float32), each K/V element widened to float32 as it is read. Without it a bfloat16
-// cache took torch's reference path (a dense copy of the context + SDPA, every layer).
+// ------------------------------------------------------------------ decode attention
+// One query token per sequence, its context read in place from the paged float32 or
+// bfloat16 KV cache (each element widened as it is read), softmax in float32. A work item
+// is one (sequence, KV head): the G query heads that share the KV head read each of its
+// key and value rows once, and a single sequence's heads spread over the threads (one
+// request's attention ran on one thread when a sequence was the work item). Without it a
+// bfloat16 cache took torch's reference path (a dense copy of the context + SDPA, every
+// layer); attention/csrc/paged_decode.cpp is the float32 kernel where this file does not build.
 
 namespace {
 
 constexpr float kMinExponent = -30.f;
 
-inline float dot_widen(const float* a, const uint16_t* b, int64_t n) {
+template <typename T>
+inline float dot_widen(const float* a, const T* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * widen(b[i]);
   return acc;
 }
 
-inline void axpy_widen(float alpha, const uint16_t* x, float* y, int64_t n) {
+template <typename T>
+inline void axpy_widen(float alpha, const T* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
 }
 
 #ifdef __AVX512F__
-// head_dim 64 (SmolLM2), up to 4 query heads per KV head: one KV head's query rows (and
+// head_dim 64 (SmolLM2), up to 4 query heads per KV head: the KV head's query rows (and
 // then its output rows) stay in registers while its context streams past, each key and
-// value row widened once for all of them (the plain loops below re-widen a row for every
-// query head and keep the output in memory). A step's attention: 0.55-0.85x the time
-// (docs/performance.md, "The bf16-cache decode attention"). `offsets[t]`: token t's row in
-// the caches.
-template <int G>
-void scores_d64(const float* query, const uint16_t* k, const int64_t* offsets, int64_t len,
+// value row loaded (and widened) once for all of them (the plain loops below re-read a row
+// for every query head and keep the output in memory). A step's attention: 0.55-0.85x the
+// time (docs/performance.md, "The bf16-cache decode attention"). `offsets[t]`: token t's
+// row in the caches.
+template <int G, typename T>
+void scores_d64(const float* query, const T* k, const int64_t* offsets, int64_t len,
                 float scale, float* scores) {  // query [G, 64] -> scores [G, len] (stride len)
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(query + g * 64 + c * 16);
   for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* key = k + offsets[t];
+    const T* key = k + offsets[t];
     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
                  k3 = load16(key + 48);
     for (int g = 0; g < G; ++g) {
@@ -953,14 +958,14 @@ void scores_d64(const float* query, const uint16_t* k, const int64_t* offsets, i
   }
 }
 
-template <int G>
-void values_d64(const float* probs, const uint16_t* v, const int64_t* offsets, int64_t len,
+template <int G, typename T>
+void values_d64(const float* probs, const T* v, const int64_t* offsets, int64_t len,
                 float* out) {  // probs [G, len] (stride len) -> out [G, 64]
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* value = v + offsets[t];
+    const T* value = v + offsets[t];
     const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
                  v3 = load16(value + 48);
     for (int g = 0; g < G; ++g) {
@@ -986,132 +991,151 @@ void with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>), G
 }
 #endif
 
-// Row `seq` of out [B, Hq, D] (float32 or bfloat16) from float32 values.
-void store_row(torch::Tensor& out, int64_t seq, const std::vector<float>& values) {
-  const int64_t size = static_cast<int64_t>(values.size());
-  if (out.scalar_type() == at::kBFloat16) {
-    at::BFloat16* dst = out.data_ptr<at::BFloat16>() + seq * size;
-    for (int64_t i = 0; i < size; ++i) dst[i] = at::BFloat16(values[i]);
-  } else {
-    std::copy(values.begin(), values.end(), out.data_ptr<float>() + seq * size);
+// One (sequence, KV head): query [G, D] (the G query heads of the KV head) against the
+// context's rows k + offsets[t], v + offsets[t] ([D] each) -> out [G, D].
+template <typename T>
+void attend_kv_head(const float* query, const T* k, const T* v, const int64_t* offsets,
+                    int64_t len, int64_t group, int64_t head_dim, float scale,
+                    std::vector<float>& scores, float* out) {
+  scores.resize(group * len);  // [G, len]
+  bool fast = false;
+#ifdef __AVX512F__
+  fast = head_dim == 64 && group <= 4;
+  if (fast)
+    with_group(group, [&](auto g) {
+      scores_d64<decltype(g)::value>(query, k, offsets, len, scale, scores.data());
+    });
+#endif
+  if (!fast)
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * len + t] = scale * dot_widen(query + g * head_dim, k + offsets[t], head_dim);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores.data() + g * len;
+    float max_score = sc[0];  // no infinities: the kernel is built with -ffast-math
+    for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, sc[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      // exp(x) < 1e-13 is below float32 rounding beside the max term (1): make it 0, and
+      // keep exp's argument where the vector exp has no slow path
+      const float xv = sc[t] - max_score;
+      sc[t] = xv < kMinExponent ? 0.f : std::exp(std::max(xv, kMinExponent));
+      sum += sc[t];
+    }
+    const float inv_sum = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
   }
+#ifdef __AVX512F__
+  if (fast) {
+    with_group(group, [&](auto g) {
+      values_d64<decltype(g)::value>(scores.data(), v, offsets, len, out);
+    });
+    return;
+  }
+#endif
+  std::fill(out, out + group * head_dim, 0.f);
+  for (int64_t t = 0; t < len; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      axpy_widen(scores[g * len + t], v + offsets[t], out + g * head_dim, head_dim);
+}
+
+// Writes values [n] (float32) to dst in out's dtype (bfloat16 rounded as torch rounds).
+void store_values(torch::Tensor& out, int64_t offset, const float* values, int64_t n) {
+  if (out.scalar_type() == at::kBFloat16) {
+    at::BFloat16* dst = out.data_ptr<at::BFloat16>() + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(values[i]);
+  } else {
+    std::copy(values, values + n, out.data_ptr<float>() + offset);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_ptr,
+                           int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                           float scale, torch::Tensor& out) {
+  const bool bf16_q = q.scalar_type() == at::kBFloat16;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t row_size = num_heads * head_dim, slice = group * head_dim;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(slice), query_rows(slice);
+    std::vector<int64_t> offsets;  // token t's row [Hkv, D] in the caches
+    int64_t offsets_seq = -1;      // whose offsets those are
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
+      const int64_t len = lens[seq], first = seq * row_size + kv * slice;  // [G, D] in q, out
+      if (len <= 0) {  // nothing to attend to (never planned, but no garbage either)
+        std::fill(acc.begin(), acc.end(), 0.f);
+        store_values(out, first, acc.data(), slice);
+        continue;
+      }
+      if (offsets_seq != seq) {
+        TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
+                    "decode_attention: seq_len beyond the block table");
+        const int32_t* table = tables + seq * max_blocks;
+        offsets.resize(len);
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t block = table[t / block_size];
+          TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: bad block id");
+          offsets[t] = block * block_stride + (t % block_size) * token_stride;
+        }
+        offsets_seq = seq;
+      }
+      const float* query;
+      if (bf16_q) {
+        const at::BFloat16* src = q.data_ptr<at::BFloat16>() + first;
+        for (int64_t i = 0; i < slice; ++i) query_rows[i] = static_cast<float>(src[i]);
+        query = query_rows.data();
+      } else {
+        query = q.data_ptr<float>() + first;
+      }
+      attend_kv_head(query, k_ptr + kv * head_dim, v_ptr + kv * head_dim, offsets.data(), len,
+                     group, head_dim, scale, scores, acc.data());
+      store_values(out, first, acc.data(), slice);
+    }
+  });
 }
 
 }  // namespace
 
-torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                    const torch::Tensor& seq_lens, double scale) {
-  const bool bf16_q = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((q.scalar_type() == at::kFloat || bf16_q) && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "decode_attention_bf16: float32 or bfloat16 q and bfloat16 caches only");
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                               const torch::Tensor& seq_lens, double scale) {
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
+                  v_cache.scalar_type() == cache_dtype,
+              "decode_attention: float32 or bfloat16 q and caches (both caches alike) only");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "decode_attention_bf16: int32 block_tables and seq_lens");
+              "decode_attention: int32 block_tables and seq_lens");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "decode_attention_bf16: contiguous tensors only");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t num_blocks = k_cache.size(0);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim,
-              "decode_attention_bf16: q and cache shapes disagree");
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+              "decode_attention: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: q [B, Hq, D] and caches [blocks, block_size, Hkv, D]");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim &&
+                  block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "decode_attention: q and cache shapes disagree");
 
   // q and the output in q's dtype: a bfloat16 q is widened here (exact) and the output
   // rounded as torch's .to(bfloat16) rounds, so the two casts around the call are gone.
   auto out = torch::empty_like(q);
-  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const float softmax_scale = static_cast<float>(scale);
-  const int64_t row_size = num_heads * head_dim;
-
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(row_size), query_row(row_size);
-    std::vector<int64_t> offsets;  // token t's row in the caches (the fast path)
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const float* query;  // [Hq, D]
-      if (bf16_q) {
-        const at::BFloat16* src = q.data_ptr<at::BFloat16>() + seq * row_size;
-        for (int64_t i = 0; i < row_size; ++i) query_row[i] = static_cast<float>(src[i]);
-        query = query_row.data();
-      } else {
-        query = q.data_ptr<float>() + seq * row_size;
-      }
-      if (len <= 0) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        store_row(out, seq, acc);
-        continue;
-      }
-      TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
-                  "decode_attention_bf16: seq_len beyond the block table");
-      const int32_t* table = tables + seq * max_blocks;
-      auto row = [&](const uint16_t* cache, int64_t t) {  // token t's [Hkv, D]
-        const int64_t block = table[t / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention_bf16: bad block id");
-        return cache + block * block_stride + (t % block_size) * token_stride;
-      };
-      scores.resize(num_heads * len);  // [Hq, len]
-      bool fast = false;
-#ifdef __AVX512F__
-      if (head_dim == 64 && group <= 4) {
-        offsets.resize(len);
-        for (int64_t t = 0; t < len; ++t) offsets[t] = row(k_ptr, t) - k_ptr;
-        fast = true;
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv)
-          with_group(group, [&](auto g) {
-            scores_d64<decltype(g)::value>(query + kv * group * 64, k_ptr + kv * 64,
-                                           offsets.data(), len, softmax_scale,
-                                           scores.data() + kv * group * len);
-          });
-      }
-#endif
-      if (!fast)
-        for (int64_t t = 0; t < len; ++t) {
-          const uint16_t* key = row(k_ptr, t);
-          for (int64_t head = 0; head < num_heads; ++head)
-            scores[head * len + t] = softmax_scale * dot_widen(query + head * head_dim,
-                                                               key + (head / group) * head_dim, head_dim);
-        }
-      for (int64_t head = 0; head < num_heads; ++head) {
-        float* sc = scores.data() + head * len;
-        float max_score = sc[0];
-        for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, sc[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float xv = sc[t] - max_score;
-          sc[t] = xv < kMinExponent ? 0.f : std::exp(std::max(xv, kMinExponent));
-          sum += sc[t];
-        }
-        const float inv_sum = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
-      }
-#ifdef __AVX512F__
-      if (fast) {
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv)
-          with_group(group, [&](auto g) {
-            values_d64<decltype(g)::value>(scores.data() + kv * group * len, v_ptr + kv * 64,
-                                           offsets.data(), len, acc.data() + kv * group * 64);
-          });
-        store_row(out, seq, acc);
-        continue;
-      }
-#endif
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const uint16_t* value = row(v_ptr, t);
-        for (int64_t head = 0; head < num_heads; ++head)
-          axpy_widen(scores[head * len + t], value + (head / group) * head_dim,
-                     acc.data() + head * head_dim, head_dim);
-      }
-      store_row(out, seq, acc);
-    }
-  });
+  if (cache_dtype == at::kFloat)
+    decode_attention_impl(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_blocks,
+                          block_size, num_kv_heads, block_tables, seq_lens, softmax_scale, out);
+  else
+    decode_attention_impl(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), num_blocks,
+                          block_size, num_kv_heads, block_tables, seq_lens, softmax_scale, out);
   return out;
 }
 
@@ -1127,8 +1151,9 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads,
         "how many intra-op threads a parallel loop of n items ran on");
-  m.def("decode_attention_bf16", &decode_attention_bf16,
-        "Paged decode attention over bfloat16 KV caches (CPU), q and output float32 or bfloat16");
+  m.def("decode_attention", &decode_attention,
+        "Paged decode attention over float32 or bfloat16 KV caches (CPU), q and output float32 "
+        "or bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");

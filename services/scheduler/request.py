@@ -132,6 +132,8 @@ class Request:
     """With k = 0: the output count at which the request proposes again (k = 1)."""
     spec_backoff: int = field(default=0, init=False)
     """Times in a row k fell to 0: each doubles the wait before the next probe."""
+    spec_paused_at: int = field(default=0, init=False)
+    """The output count when k last fell to 0 (an early probe waits for new tokens)."""
     spec: SpecStats = field(default_factory=SpecStats, init=False)
 
     def __post_init__(self) -> None:

@@ -50,7 +50,12 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy
 from services.scheduler.policy import make_policy
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.speculative import SpecStats, next_num_tokens, propose_ngram
+from services.scheduler.speculative import (
+    SpecStats,
+    next_num_tokens,
+    propose_ngram,
+    tail_recurs,
+)
 from services.scheduler.state import RequestUpdate, StateStore, TokenDelta
 from services.scheduler.updates import StepOutputs
 
@@ -484,11 +489,34 @@ class Scheduler:
         )
         if k == 0 and request.num_spec_tokens:  # probe again later, later each time
             wait = spec.probe_interval << request.spec_backoff
+            request.spec_paused_at = request.num_output_tokens
             request.spec_resume_at = request.num_output_tokens + wait
             request.spec_backoff = min(request.spec_backoff + 1, MAX_PROBE_BACKOFF)
         elif k > request.num_spec_tokens:
             request.spec_backoff = 0
         request.num_spec_tokens = k
+
+    def _probe_early(self, request: Request) -> None:
+        """N-gram: a request waiting for its next probe (k = 0) speculates again at once
+        when its newest token repeats what came before (`tail_recurs`: prompt lookup would
+        have proposed it), rather than `probe_interval` or more tokens later, and with k =
+        half the most: a text that starts repeating itself after a few tokens of its own
+        (a "repeat this" answer's preamble) speculates from there, and text that never
+        repeats never probes early."""
+        spec = self.config.speculative
+        if (
+            spec is None
+            or spec.uses_draft_model
+            or request.num_spec_tokens != 0
+            or request.num_output_tokens >= request.spec_resume_at
+        ):
+            return
+        length = spec.prompt_lookup_max + 1  # a longest lookup and the token it proposes
+        if request.num_output_tokens - request.spec_paused_at < length:
+            return  # the last probe already saw (some of) these tokens
+        if tail_recurs(request.token_ids, length):
+            # a lookup matched: start at half the most k rather than at the probe's 1
+            request.num_spec_tokens = max(1, spec.num_speculative_tokens // 2)
 
     def _chunk(self, num_remaining: int, num_budget: int) -> int:
         if num_remaining <= num_budget:
@@ -745,6 +773,8 @@ class Scheduler:
                     self.block_manager.cache_full_blocks(
                         request_id, request.token_ids, request.num_computed_tokens
                     )
+                elif not drafts:
+                    self._probe_early(request)
 
     def _applies_to(self, request_id: str, step_id: int) -> Request | None:
         """The request a result of `step_id` is for, or None when it is to be discarded

@@ -3,7 +3,8 @@ random workloads through fake workers that verify proposals like the last stage 
 
 The fake model is a "copying" one for requests named `rep*`: the token at position p is
 prompt[p % len(prompt)], so outputs repeat the prompt and prompt lookup is right most of
-the time; other requests use the crc model of tests/scheduler/utils.py (proposals mostly
+the time; `late*` requests write LATE_START tokens of their own first (each new), then
+copy; other requests use the crc model of tests/scheduler/utils.py (proposals mostly
 wrong). Every schedule must produce exactly the tokens the model defines, whatever was
 proposed, accepted, preempted or stopped.
 """
@@ -26,6 +27,7 @@ from services.scheduler.speculative import (
     SpeculativeConfig,
     next_num_tokens,
     propose_ngram,
+    tail_recurs,
 )
 from tests.scheduler.utils import Trace, collect, drive, fake_token, make_config, make_request
 
@@ -42,6 +44,17 @@ def test_propose_ngram_takes_what_followed_the_longest_suffix():
     assert propose_ngram([5, 5, 5, 5, 5, 5], 3, 2, 1) == [5, 5, 5]
     assert propose_ngram([7, 7], 3, 4, 1) == [7]  # only a continuation that runs short
     assert propose_ngram([1, 2, 1], 0, 3, 1) == []
+
+
+def test_tail_recurs_finds_an_earlier_occurrence_of_the_last_tokens():
+    assert tail_recurs([1, 2, 3, 9, 1, 2, 3], 3)
+    assert not tail_recurs([1, 2, 3, 9, 1, 2, 4], 3)
+    assert tail_recurs([5, 5, 5, 5], 3)  # overlapping: "5 5 5" at 0 and at 1
+    assert not tail_recurs([1, 2, 3], 3)  # only the tail itself
+    assert not tail_recurs([1, 2], 0)
+    # int32 bytes of 256, 0 hold those of 1 across an id boundary: not an occurrence
+    assert not tail_recurs([256, 0, 5, 1], 1)
+    assert tail_recurs([256, 1, 5, 1], 1)
 
 
 def test_speculative_config_parses_vllm_json_and_names_bad_values():
@@ -83,8 +96,15 @@ def test_adaptivity_grows_on_full_acceptance_and_halves_on_misses():
 
 
 # -- fake workers that verify proposals --------------------------------------------------------
+LATE_START = 40
+
+
 def model_token(request: Request, position: int) -> int:
     if request.request_id.startswith("rep"):
+        return request.prompt_token_ids[position % request.num_prompt_tokens]
+    if request.request_id.startswith("late"):
+        if position < request.num_prompt_tokens + LATE_START:
+            return 1000 + position  # in neither the prompt nor the output before
         return request.prompt_token_ids[position % request.num_prompt_tokens]
     return fake_token(request.request_id, position)
 
@@ -259,6 +279,32 @@ def test_speculative_copying_requests_take_fewer_steps_and_adapt(scheduling):
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_a_request_whose_output_begins_to_repeat_probes_early(scheduling):
+    """A request that writes 40 new tokens, then copies its prompt: its k falls to 0 at
+    once, its timed probe (after 16 tokens) finds nothing and the next would come 32
+    tokens later, but as soon as its output repeats a lookup's worth of tokens it probes
+    again and speculates from there on, with exactly the model's tokens."""
+    config = make_config(scheduling=scheduling, num_stages=2, speculative=SPEC)
+    request = make_request("late0", 8, 80, ignore_eos=True)
+    expected = expected_output(request, config.max_model_len)
+    scheduler = Scheduler(config)
+    scheduler.add_request(request)
+    workers = SpecWorkers({"late0": request}, config.is_async, config.block_size)
+    proposing_at = []  # the request's output count when a step with proposals was planned
+
+    def on_step(plan):
+        if any(e.spec_token_ids for e in plan.cached_requests):
+            proposing_at.append(request.num_output_tokens)
+
+    trace = drive(scheduler, workers, 2, trace=Trace(), on_step=on_step)
+    assert trace.outputs == {"late0": expected}
+    copying = [p for p in proposing_at if p >= LATE_START]
+    # repeating since LATE_START: a lookup (3 tokens) and one more, then the next plan
+    assert copying[0] <= LATE_START + SPEC.prompt_lookup_max + 3, proposing_at
+    assert scheduler.spec_stats.num_accepted_tokens > (80 - LATE_START) // 2
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_speculative_request_is_not_planned_while_its_step_is_in_flight(scheduling):
     config = make_config(scheduling=scheduling, num_stages=1, speculative=SPEC)
     scheduler = Scheduler(config)
@@ -429,7 +475,9 @@ def test_speculation_keeps_decodes_in_p_balanced_micro_batches_and_probes_back_o
         # a plain (k = 0) decode's entry leaves the inputs to the stages
         if i < last_copy and decodes and all(e.num_computed_tokens is None for e in decodes):
             assert len(decodes) > 1, f"step {plan.step_id}: a plain decode alone"
-        if any(e.spec_token_ids for e in before.cached_requests):
+        # (while the copying requests run: one speculating request left alone runs every
+        # P steps, whose ids the pipeline rule skips)
+        if i < last_copy and any(e.spec_token_ids for e in before.cached_requests):
             assert plan.step_id == before.step_id + 1
     for request_id, positions in probes.items():
         # a failed probe yields one token, then the request decodes 32 (then 64) without

@@ -908,12 +908,16 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_t
 
 // ------------------------------------------------------------------ decode attention
 // One query token per sequence, its context read in place from the paged float32 or
-// bfloat16 KV cache (each element widened as it is read), softmax in float32. A work item
-// is one (sequence, KV head): the G query heads that share the KV head read each of its
-// key and value rows once, and a single sequence's heads spread over the threads (one
-// request's attention ran on one thread when a sequence was the work item). Without it a
-// bfloat16 cache took torch's reference path (a dense copy of the context + SDPA, every
-// layer); attention/csrc/paged_decode.cpp is the float32 kernel where this file does not build.
+// bfloat16 KV cache (each element widened as it is read), softmax in float32. The context
+// is read a block at a time, all the work item's KV heads of a block before the next
+// block, with the next block asked for ahead (`prefetch_block`): a block is one contiguous
+// run of memory ([block_size, Hkv, D]), so it streams, where a walk of one KV head's rows
+// through the blocks waited on each row's load (docs/performance.md, "Decode attention a
+// block at a time"). A work item is one sequence with all its KV heads, or, when there are
+// fewer sequences than threads (one request), one (sequence, KV head), so its heads spread
+// over the threads. Both give the same bits: per (sequence, KV head) the same operations
+// in the same order. attention/csrc/paged_decode.cpp is the float32 kernel where this file
+// does not build; without this one a bfloat16 cache took torch's reference path.
 
 namespace {
 
@@ -933,21 +937,25 @@ inline void axpy_widen(float alpha, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
 }
 
+// Asks the cache for `bytes` from p, a line at a time (a hint: never faults).
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
 #ifdef __AVX512F__
 // head_dim 64 (SmolLM2), up to 4 query heads per KV head: the KV head's query rows (and
-// then its output rows) stay in registers while its context streams past, each key and
+// then its output rows) stay in registers while a block's rows stream past, each key and
 // value row loaded (and widened) once for all of them (the plain loops below re-read a row
-// for every query head and keep the output in memory). A step's attention: 0.55-0.85x the
-// time (docs/performance.md, "The bf16-cache decode attention"). `offsets[t]`: token t's
-// row in the caches.
+// for every query head and keep the output in memory). Rows are `stride` elements apart.
 template <int G, typename T>
-void scores_d64(const float* query, const T* k, const int64_t* offsets, int64_t len,
-                float scale, float* scores) {  // query [G, 64] -> scores [G, len] (stride len)
+void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float scale,
+                float* scores, int64_t len) {  // query [G, 64] -> scores[g * len + t], t < n
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(query + g * 64 + c * 16);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* key = k + offsets[t];
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = k + t * stride;
     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
                  k3 = load16(key + 48);
     for (int g = 0; g < G; ++g) {
@@ -959,13 +967,13 @@ void scores_d64(const float* query, const T* k, const int64_t* offsets, int64_t 
 }
 
 template <int G, typename T>
-void values_d64(const float* probs, const T* v, const int64_t* offsets, int64_t len,
-                float* out) {  // probs [G, len] (stride len) -> out [G, 64]
+void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float* out,
+                int64_t len) {  // out [G, 64] += sum over t < n of probs[g * len + t] v_t
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    const T* value = v + offsets[t];
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(out + g * 64 + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* value = v + t * stride;
     const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
                  v3 = load16(value + 48);
     for (int g = 0; g < G; ++g) {
@@ -991,27 +999,56 @@ void with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>), G
 }
 #endif
 
-// One (sequence, KV head): query [G, D] (the G query heads of the KV head) against the
-// context's rows k + offsets[t], v + offsets[t] ([D] each) -> out [G, D].
+// The cache's shape and the step's tables, as the kernel reads them.
+struct PagedContext {
+  int64_t num_blocks, block_size, head_dim, group, token_stride, block_stride, max_blocks;
+  const int32_t* tables;
+  const int32_t* lens;
+};
+
+// Sequence `seq`'s KV heads [kv_begin, kv_end): query [(kv_end - kv_begin) * G, D] (their
+// query heads, in order) -> out of the same shape. k, v: the caches.
 template <typename T>
-void attend_kv_head(const float* query, const T* k, const T* v, const int64_t* offsets,
-                    int64_t len, int64_t group, int64_t head_dim, float scale,
-                    std::vector<float>& scores, float* out) {
-  scores.resize(group * len);  // [G, len]
+void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_end,
+            const float* query, const T* k, const T* v, float scale,
+            std::vector<float>& scores, float* out) {
+  const int64_t len = ctx.lens[seq], bs = ctx.block_size, D = ctx.head_dim, G = ctx.group;
+  const int64_t heads = (kv_end - kv_begin) * G, num_used = (len + bs - 1) / bs;
+  TORCH_CHECK(num_used <= ctx.max_blocks, "decode_attention: seq_len beyond the block table");
+  const int32_t* table = ctx.tables + seq * ctx.max_blocks;
+  for (int64_t b = 0; b < num_used; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < ctx.num_blocks, "decode_attention: bad block id");
+  const int64_t block_bytes = ctx.block_stride * static_cast<int64_t>(sizeof(T));
+  auto block = [&](const T* cache, int64_t b) { return cache + table[b] * ctx.block_stride; };
   bool fast = false;
 #ifdef __AVX512F__
-  fast = head_dim == 64 && group <= 4;
-  if (fast)
-    with_group(group, [&](auto g) {
-      scores_d64<decltype(g)::value>(query, k, offsets, len, scale, scores.data());
-    });
+  fast = D == 64 && G <= 4;
 #endif
-  if (!fast)
-    for (int64_t t = 0; t < len; ++t)
-      for (int64_t g = 0; g < group; ++g)
-        scores[g * len + t] = scale * dot_widen(query + g * head_dim, k + offsets[t], head_dim);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores.data() + g * len;
+  scores.resize(heads * len);  // [heads, len]
+  prefetch_block(block(k, 0), block_bytes);
+  for (int64_t b = 0; b < num_used; ++b) {
+    if (b + 1 < num_used) prefetch_block(block(k, b + 1), block_bytes);
+    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+    for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
+      const T* rows = block(k, b) + kv * D;
+      const float* q = query + (kv - kv_begin) * G * D;
+      float* sc = scores.data() + (kv - kv_begin) * G * len + t0;
+#ifdef __AVX512F__
+      if (fast) {
+        with_group(G, [&](auto g) {
+          scores_d64<decltype(g)::value>(q, rows, n, ctx.token_stride, scale, sc, len);
+        });
+        continue;
+      }
+#endif
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < G; ++g)
+          sc[g * len + t] = scale * dot_widen(q + g * D, rows + t * ctx.token_stride, D);
+    }
+  }
+  prefetch_block(block(v, 0), block_bytes);  // while the softmax runs
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores.data() + h * len;
     float max_score = sc[0];  // no infinities: the kernel is built with -ffast-math
     for (int64_t t = 1; t < len; ++t) max_score = std::max(max_score, sc[t]);
     float sum = 0.f;
@@ -1026,21 +1063,31 @@ void attend_kv_head(const float* query, const T* k, const T* v, const int64_t* o
     const float inv_sum = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
   }
+  std::fill(out, out + heads * D, 0.f);
+  for (int64_t b = 0; b < num_used; ++b) {
+    if (b + 1 < num_used) prefetch_block(block(v, b + 1), block_bytes);
+    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+    for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
+      const T* rows = block(v, b) + kv * D;
+      const float* probs = scores.data() + (kv - kv_begin) * G * len + t0;
+      float* o = out + (kv - kv_begin) * G * D;
 #ifdef __AVX512F__
-  if (fast) {
-    with_group(group, [&](auto g) {
-      values_d64<decltype(g)::value>(scores.data(), v, offsets, len, out);
-    });
-    return;
-  }
+      if (fast) {
+        with_group(G, [&](auto g) {
+          values_d64<decltype(g)::value>(probs, rows, n, ctx.token_stride, o, len);
+        });
+        continue;
+      }
 #endif
-  std::fill(out, out + group * head_dim, 0.f);
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t g = 0; g < group; ++g)
-      axpy_widen(scores[g * len + t], v + offsets[t], out + g * head_dim, head_dim);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < G; ++g)
+          axpy_widen(probs[g * len + t], rows + t * ctx.token_stride, o + g * D, D);
+    }
+  }
 }
 
-// Writes values [n] (float32) to dst in out's dtype (bfloat16 rounded as torch rounds).
+// Writes values [n] (float32) to out at `offset`, in out's dtype (bfloat16 rounded as
+// torch rounds).
 void store_values(torch::Tensor& out, int64_t offset, const float* values, int64_t n) {
   if (out.scalar_type() == at::kBFloat16) {
     at::BFloat16* dst = out.data_ptr<at::BFloat16>() + offset;
@@ -1052,40 +1099,26 @@ void store_values(torch::Tensor& out, int64_t offset, const float* values, int64
 
 template <typename T>
 void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_ptr,
-                           int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
-                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                           float scale, torch::Tensor& out) {
+                           const PagedContext& ctx, int64_t num_kv_heads, float scale,
+                           torch::Tensor& out) {
   const bool bf16_q = q.scalar_type() == at::kBFloat16;
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
-  const int64_t row_size = num_heads * head_dim, slice = group * head_dim;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t num_seqs = q.size(0), row_size = q.size(1) * q.size(2);
+  // a sequence per item, or a (sequence, KV head) when there are fewer sequences than
+  // threads; the results are the same bits either way
+  const int64_t heads_per_item = num_seqs < at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t slice = heads_per_item * ctx.group * ctx.head_dim;  // an item's [heads, D]
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(slice), query_rows(slice);
-    std::vector<int64_t> offsets;  // token t's row [Hkv, D] in the caches
-    int64_t offsets_seq = -1;      // whose offsets those are
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
-      const int64_t len = lens[seq], first = seq * row_size + kv * slice;  // [G, D] in q, out
-      if (len <= 0) {  // nothing to attend to (never planned, but no garbage either)
+      const int64_t seq = item / items_per_seq;
+      const int64_t kv_begin = item % items_per_seq * heads_per_item;
+      const int64_t first = seq * row_size + kv_begin * ctx.group * ctx.head_dim;
+      if (ctx.lens[seq] <= 0) {  // nothing to attend to (never planned, but no garbage)
         std::fill(acc.begin(), acc.end(), 0.f);
         store_values(out, first, acc.data(), slice);
         continue;
-      }
-      if (offsets_seq != seq) {
-        TORCH_CHECK((len + block_size - 1) / block_size <= max_blocks,
-                    "decode_attention: seq_len beyond the block table");
-        const int32_t* table = tables + seq * max_blocks;
-        offsets.resize(len);
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t block = table[t / block_size];
-          TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: bad block id");
-          offsets[t] = block * block_stride + (t % block_size) * token_stride;
-        }
-        offsets_seq = seq;
       }
       const float* query;
       if (bf16_q) {
@@ -1095,8 +1128,8 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
       } else {
         query = q.data_ptr<float>() + first;
       }
-      attend_kv_head(query, k_ptr + kv * head_dim, v_ptr + kv * head_dim, offsets.data(), len,
-                     group, head_dim, scale, scores, acc.data());
+      attend(ctx, seq, kv_begin, kv_begin + heads_per_item, query, k_ptr, v_ptr, scale,
+             scores, acc.data());
       store_values(out, first, acc.data(), slice);
     }
   });
@@ -1128,14 +1161,24 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   // rounded as torch's .to(bfloat16) rounds, so the two casts around the call are gone.
   auto out = torch::empty_like(q);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const PagedContext ctx{num_blocks,
+                         block_size,
+                         head_dim,
+                         num_heads / num_kv_heads,
+                         token_stride,
+                         block_size * token_stride,
+                         block_tables.size(1),
+                         block_tables.data_ptr<int32_t>(),
+                         seq_lens.data_ptr<int32_t>()};
   const float softmax_scale = static_cast<float>(scale);
   if (cache_dtype == at::kFloat)
-    decode_attention_impl(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_blocks,
-                          block_size, num_kv_heads, block_tables, seq_lens, softmax_scale, out);
+    decode_attention_impl(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), ctx,
+                          num_kv_heads, softmax_scale, out);
   else
     decode_attention_impl(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), num_blocks,
-                          block_size, num_kv_heads, block_tables, seq_lens, softmax_scale, out);
+                          reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), ctx,
+                          num_kv_heads, softmax_scale, out);
   return out;
 }
 

@@ -12,11 +12,14 @@ speculation (health stays SERVING), and its restart brings the proposals back.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from services.models.tiny import make_tiny_model
+from services.scheduler.drafts import REST_TIMEOUTS
+from services.scheduler.speculative import SpeculativeConfig
 from tests.faults.test_faults import (
     MAX_TOKENS,
     NUM_STREAMS,
@@ -97,12 +100,17 @@ def test_a_killed_draft_worker_stops_only_speculation(spec_stack, spec_redis, re
     health.append(spec_stack.health(spec_stack.scheduler, timeout_s=3.0))
     assert health == [SERVING, SERVING], "a dead draft worker made the scheduler unhealthy"
     after = spec_stack.stats()
+    failed_by = time.monotonic()  # the failure was counted before this
     assert after.num_draft_failures > before.num_draft_failures and after.draft_problem
     _check_after(spec_stack, spec_redis)
 
-    # conveyor up restarts it; once it serves, the next streams get proposals again
+    # conveyor up restarts it; once it serves and the scheduler's rest after the failure
+    # (REST_TIMEOUTS x draft_timeout_s) is over, the next streams get proposals again (on
+    # a fast machine the restart, and the next streams, all fit inside that rest)
     wait_until(lambda: _draft_pid(spec_stack) not in (None, killed[0]), 60)
     wait_until(lambda: spec_stack.health(_draft_address(spec_stack)) == SERVING, 120)
+    rest_s = REST_TIMEOUTS * SpeculativeConfig().draft_timeout_s
+    time.sleep(max(0.0, failed_by + rest_s - time.monotonic()))
     _assert_exact(spec_stack.run_streams(prompts(11), MAX_TOKENS), expected)
     again = spec_stack.stats()
     assert again.num_draft_calls > after.num_draft_calls and not again.draft_problem

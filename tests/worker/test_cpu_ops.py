@@ -111,6 +111,17 @@ def test_fused_norms_and_silu_mul_equal_the_eager_modules(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_very_negative_gates_is_zero_not_nan(dtype):
+    """exp(-x) overflows for x < -88.7: the kernel (built with -ffast-math) made NaN of x /
+    inf there, where torch gives -0; every lane, vector tails included."""
+    gate = torch.tensor([-90.0, -124.5, -1e4, -88.0, -5.0, 0.0, 3.0] * 3, dtype=dtype)
+    gate_up = torch.cat([gate, torch.full_like(gate, 2.0)])[None]
+    ours = cpu_ops.silu_mul(gate_up)
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours[0], F.silu(gate) * 2.0, atol=1e-30, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [1536, 37])  # SmolLM2's, and one that leaves a vector tail
 def test_silu_mul_rows_do_not_depend_on_the_batch(dtype, inter):
     """Each element takes the same vector exp wherever it sits (a tail too), so a row's

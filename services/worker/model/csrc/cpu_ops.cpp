@@ -727,6 +727,20 @@ void rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum_out, T* o
   });
 }
 
+// exp's argument is capped at kMaxSiluExp: for x < -88.7 exp(-x) overflowed to inf, and
+// this code (built with -ffast-math) made NaN of x / inf where torch gives -0. Capped, x <
+// -88 gives x / e^88 (below 1e-34 for |x| < 1e4; torch: ~1e-37, then 0).
+constexpr float kMaxSiluExp = 88.f;
+
+#if defined(__AVX512F__)
+inline __m512 silu16(__m512 v) {
+  const __m512 neg = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(v), _mm512_castps_si512(_mm512_set1_ps(-0.f))));
+  const __m512 e = Sleef_expf16_u10(_mm512_min_ps(neg, _mm512_set1_ps(kMaxSiluExp)));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+#endif
+
 // silu(x) = x / (1 + exp(-x)) over n floats, as torch's CPU silu computes it: with SLEEF's
 // vector exp (1.0 ULP; torch links it) on AVX-512 and AVX2, so that every element of a row
 // of any batch gets the same bits (a tail goes through a masked or padded vector) and a
@@ -735,13 +749,6 @@ void rms_norm_rows(const T* x, const T* delta, const T* weight, T* sum_out, T* o
 void silu(const float* x, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  auto silu16 = [&](__m512 v) {
-    const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(v), _mm512_castps_si512(sign))));  // exp(-x)
-    return _mm512_div_ps(v, _mm512_add_ps(one, e));
-  };
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu16(_mm512_loadu_ps(x + i)));
   if (i < n) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -751,8 +758,10 @@ void silu(const float* x, float* out, int64_t n) {
 #elif defined(__AVX2__)
   const __m256 one = _mm256_set1_ps(1.f);
   const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 cap = _mm256_set1_ps(kMaxSiluExp);
   auto silu8 = [&](__m256 v) {
-    return _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(v, sign))));
+    const __m256 e = Sleef_expf8_u10(_mm256_min_ps(_mm256_xor_ps(v, sign), cap));  // exp(-x)
+    return _mm256_div_ps(v, _mm256_add_ps(one, e));
   };
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu8(_mm256_loadu_ps(x + i)));
   if (i < n) {
@@ -763,7 +772,7 @@ void silu(const float* x, float* out, int64_t n) {
   }
   return;
 #endif
-  for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(-x[i]));
+  for (; i < n; ++i) out[i] = x[i] / (1.f + std::exp(std::min(-x[i], kMaxSiluExp)));
 }
 
 template <typename T>

@@ -16,8 +16,9 @@ The kernels are compiled once per machine with `torch.utils.cpp_extension` (g++ 
 about 20 s) into $TORCH_EXTENSIONS_DIR/conveyor-<torch version>/ (default
 ~/.cache/torch_extensions); later loads take milliseconds. Float32 caches only: other dtypes
 take the torch reference. Decode rows over float32 and bfloat16 caches run on the twin
-kernel in model/cpu_ops.py where that builds (AVX-512 register blocking, a work item per
-sequence and KV head); this module's decode kernel is its fallback.
+kernel in model/cpu_ops.py where that builds (AVX-512 register blocking, the context read
+a block at a time with the next block prefetched); this module's decode kernel is its
+fallback.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """torch_backend.decode_attention on a C++ kernel: model/cpu_ops.py's for float32 and
-    bfloat16 caches where that builds (a work item per sequence and KV head), else this
-    module's for float32 caches; other caches take the torch path."""
+    bfloat16 caches where that builds, else this module's for float32 caches; other caches
+    take the torch path."""
     if k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu":
         from services.worker.model import cpu_ops  # imports this module: not at the top
 

@@ -134,6 +134,8 @@ class Request:
     """Times in a row k fell to 0: each doubles the wait before the next probe."""
     spec_paused_at: int = field(default=0, init=False)
     """The output count when k last fell to 0 (an early probe waits for new tokens)."""
+    packed_token_ids: bytearray = field(default_factory=bytearray, init=False, repr=False)
+    """token_ids as int32 bytes, extended by the early probe's search (`tail_recurs`)."""
     spec: SpecStats = field(default_factory=SpecStats, init=False)
 
     def __post_init__(self) -> None:

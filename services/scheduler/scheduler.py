@@ -514,7 +514,7 @@ class Scheduler:
         length = spec.prompt_lookup_max + 1  # a longest lookup and the token it proposes
         if request.num_output_tokens - request.spec_paused_at < length:
             return  # the last probe already saw (some of) these tokens
-        if tail_recurs(request.token_ids, length):
+        if tail_recurs(request.token_ids, length, request.packed_token_ids):
             # a lookup matched: start at half the most k rather than at the probe's 1
             request.num_spec_tokens = max(1, spec.num_speculative_tokens // 2)
 

@@ -57,6 +57,15 @@ def test_tail_recurs_finds_an_earlier_occurrence_of_the_last_tokens():
     assert tail_recurs([256, 1, 5, 1], 1)
 
 
+def test_tail_recurs_with_packed_bytes_kept_between_calls_answers_the_same():
+    log = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8]
+    packed = bytearray()
+    for end in range(1, len(log) + 1):
+        for length in (1, 2, 3):
+            assert tail_recurs(log[:end], length, packed) == tail_recurs(log[:end], length)
+    assert tail_recurs([7, 7], 1, packed) is True  # a shorter log than the bytes: rebuilt
+
+
 def test_speculative_config_parses_vllm_json_and_names_bad_values():
     config = SpeculativeConfig.from_json(
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'

@@ -317,7 +317,7 @@ def compare_pipeline(model_dir: str, sim_profile: str, num_stages: int = 2) -> N
         ("sim", None),
     ):
         for scheduling in ("sync", "async"):
-            result = sx._run(
+            result = sx.serve_workload(
                 Path(model_dir), sim_profile, num_stages, scheduling, "gpu", None, out, device_args
             )
             points.append(sx.Point("gpu", label, num_stages, scheduling, None, result))

@@ -212,7 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--compare on real CPU stages (default) or on simulated devices (sim)",
     )
     group.add_argument(
-        "--sim-profile", default="h200", help="sim: modeled hardware (default: h200)"
+        "--sim-profile",
+        default=None,
+        help="sim: modeled hardware (default: h200; cpu with --calibration)",
     )
     group.add_argument(
         "--stages-list",
@@ -233,6 +235,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep",
         action="store_true",
         help="sim: sweep the modeled stage step time from ~20 ms to ~0.5 ms instead",
+    )
+    group.add_argument(
+        "--calibration",
+        action="store_true",
+        help="sim: instead, the real SmolLM2 stacks (2 stages of 1 thread, 1 stage of 2) "
+        "against the same stacks simulated on --sim-profile (default: cpu), predicted "
+        "against measured; --rounds alternates them",
     )
 
 
@@ -256,8 +265,12 @@ def _check_peer_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
     with_peers = args.compare and args.peers and not args.speculative_config
     with_spec = args.compare and args.speculative_config
-    if args.rounds != 1 and not with_peers:
-        raise SystemExit("--rounds, --dtype and --peers-dir go with --compare --peers")
+    with_calibration = args.compare and args.device == "sim" and args.calibration
+    if args.rounds != 1 and not (with_peers or with_calibration):
+        raise SystemExit(
+            "--rounds, --dtype and --peers-dir go with --compare --peers (--rounds also "
+            "with --compare --device sim --calibration)"
+        )
     if (args.dtype != "float32" or args.peers_dir) and not (with_peers or with_spec):
         raise SystemExit(
             "--rounds, --dtype and --peers-dir go with --compare --peers (--dtype and "
@@ -277,6 +290,8 @@ def _check_peer_flags(args: argparse.Namespace) -> None:
             raise SystemExit(str(exc)) from None
     if args.peers and args.device != "cpu":
         raise SystemExit("--peers runs on the CPU: leave out --device sim")
+    if args.calibration and not (args.compare and args.device == "sim"):
+        raise SystemExit("--calibration goes with --compare --device sim")
 
 
 def run(args: argparse.Namespace) -> int:

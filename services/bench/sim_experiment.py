@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,9 +60,12 @@ class Point:
 
 
 def run_sim_compare(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else SIM_MODELS / "llama-3-70b"
     results_dir = Path(args.results_dir) / "sim"
     results_dir.mkdir(parents=True, exist_ok=True)
+    if args.calibration:
+        return run_calibration(args, results_dir)
+    model = Path(args.model) if args.model else SIM_MODELS / "llama-3-70b"
+    args.sim_profile = args.sim_profile or "h200"
     stages = [int(p) for p in args.stages_list.split(",")]
     points: list[Point] = []
     if args.sweep:  # --num-prompts / --input-len / --output-len size it (default: short)
@@ -75,7 +79,7 @@ def run_sim_compare(args: argparse.Namespace) -> int:
             for step_ms in SWEEP_STEP_MS:
                 profile = _scaled_profile(args.sim_profile, model, num_stages, step_ms, results_dir)
                 for scheduling in ("sync", "async"):
-                    result = _run(
+                    result = serve_workload(
                         model, profile, num_stages, scheduling, "sweep", None, results_dir
                     )
                     points.append(Point("sweep", "burst", num_stages, scheduling, step_ms, result))
@@ -87,7 +91,7 @@ def run_sim_compare(args: argparse.Namespace) -> int:
                     rate = None
                     for scheduling in ("sync", "async"):
                         if arrival == "poisson" and rate is None:
-                            burst = _run(
+                            burst = serve_workload(
                                 model,
                                 args.sim_profile,
                                 num_stages,
@@ -97,7 +101,7 @@ def run_sim_compare(args: argparse.Namespace) -> int:
                                 results_dir,
                             )
                             rate = 0.9 * burst["request_throughput"]
-                        result = _run(
+                        result = serve_workload(
                             model,
                             args.sim_profile,
                             num_stages,
@@ -116,7 +120,90 @@ def run_sim_compare(args: argparse.Namespace) -> int:
     return 0 if all(p.result.get("failed", 0) == 0 for p in points) else 1
 
 
-def _run(
+CALIBRATION_LAYOUTS = ((2, 1), (1, 2))
+"""(stages, threads per stage) of the real runs `calibrate` times and fits: 2 stages of 1
+thread and 1 stage of 2 threads on the 2-core machine."""
+CALIBRATION_TOLERANCE = 0.15
+"""How far the simulated throughput and TPOT may be from the real ones (issue 16)."""
+
+
+def run_calibration(args: argparse.Namespace, results_dir: Path) -> int:
+    """`--calibration`: the real SmolLM2 stacks against the same stacks on the simulated
+    device (`--sim-profile`, default the fitted `cpu`), the 64 x 128/128 burst in async
+    mode by default, real and simulated alternating for `--rounds` rounds; prints
+    predicted against measured (medians)."""
+    from services.models.fetch import fetch_model
+
+    model = Path(args.model) if args.model else fetch_model("smollm2-135m")
+    profile = args.sim_profile or "cpu"
+    WORKLOADS["calibration"] = (
+        args.num_prompts or 64,
+        args.input_len or 128,
+        args.output_len or 128,
+    )
+    runs: dict[tuple[int, int, str], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for stages, threads in CALIBRATION_LAYOUTS:
+            for device in ("real", "sim"):
+                device_args = ["--device", "cpu"] if device == "real" else None
+                result = serve_workload(
+                    model, profile, stages, "async", "calibration", None, results_dir,
+                    device_args, threads, tag=f"-r{round_}",
+                )  # fmt: skip
+                runs.setdefault((stages, threads, device), []).append(result)
+    print(calibration_table(runs), flush=True)
+    out = results_dir / "calibration.json"
+    out.write_text(
+        json.dumps([{"stages": s, "threads": t, "device": d, "runs": r}
+                    for (s, t, d), r in runs.items()], indent=2) + "\n"
+    )  # fmt: skip
+    print(f"\nwrote {out}", flush=True)
+    failed = any(r.get("failed", 0) for results in runs.values() for r in results)
+    return 1 if failed else 0
+
+
+def calibration_table(runs: dict[tuple[int, int, str], list[dict]]) -> str:
+    """Per layout and metric: measured (real), predicted (sim), the error, and whether it
+    is within CALIBRATION_TOLERANCE (throughput and TPOT; TTFT and bubble for reading)."""
+    metrics = (
+        ("out tok/s", "output_throughput", True),
+        ("TPOT ms", "mean_tpot_ms", True),
+        ("TTFT ms", "mean_ttft_ms", False),
+        ("bubble", "bubble_fraction", False),
+    )
+    rows = []
+    for (stages, threads, device), real in runs.items():
+        if device != "real":
+            continue
+        sim = runs[(stages, threads, "sim")]
+        layout = (
+            f"{stages} stage{'s' if stages > 1 else ''} x {threads} thread{'s' * (threads > 1)}"
+        )
+        for label, key, checked in metrics:
+            measured, predicted = _median(real, key), _median(sim, key)
+            error = predicted / measured - 1 if measured else float("nan")
+            verdict = ("ok" if abs(error) <= CALIBRATION_TOLERANCE else "OFF") if checked else ""
+            fmt = "{:.0%}" if key == "bubble_fraction" else "{:.1f}"
+            rows.append(
+                [layout, label, fmt.format(measured), fmt.format(predicted), f"{error:+.1%}",
+                 verdict]
+            )  # fmt: skip
+    header = ["layout", "metric", "measured", "predicted", "error", "within 15%"]
+    return grid(header, rows)
+
+
+def _median(results: list[dict], key: str) -> float:
+    """The median over runs of a metric; a per-stage list (the bubble) counts its mean."""
+    values = []
+    for r in results:
+        value = r.get(key)
+        if isinstance(value, list):
+            value = sum(value) / len(value) if value else 0.0
+        values.append(float(value or 0.0))
+    return statistics.median(values)
+
+
+def serve_workload(
     model: Path,
     profile: str,
     num_stages: int,
@@ -125,14 +212,16 @@ def _run(
     rate: float | None,
     results_dir: Path,
     device_args: list[str] | None = None,
+    threads: int = 1,
+    tag: str = "",
 ) -> dict:
     """One stack, one workload. `device_args` replace the sim device's (e.g. a real
     `--device cuda` beside the simulated one, services/bench/check_gpu.py)."""
     num_prompts, input_len, output_len = WORKLOADS[workload]
     device = "sim-" + Path(profile).stem if device_args is None else "real"
     arrival = "poisson" if rate else "burst"
-    key = f"{device}-{workload}-{arrival}-p{num_stages}-{scheduling}"
-    mode = Mode(key, key, stages=num_stages, scheduling=scheduling, threads=1)
+    key = f"{device}-{workload}-{arrival}-p{num_stages}-t{threads}-{scheduling}{tag}"
+    mode = Mode(key, key, stages=num_stages, scheduling=scheduling, threads=threads)
     if device_args is None:
         device_args = ["--device", "sim", "--sim-profile", profile]
     stack = start_stack(model, mode, results_dir, extra_args=device_args)

@@ -85,6 +85,8 @@ class Sample:
     is_first: bool
     is_last: bool
     measured_s: float
+    weight: float = 1.0
+    """Its share in the fit (in-stack samples: their kind's share of the run's time)."""
 
 
 def cases() -> list[Case]:
@@ -198,6 +200,94 @@ def measure_stage(model_dir: Path, stage: Stage, iters: int, barrier=None) -> li
     ]
 
 
+def stack_samples(
+    model: ModelConfig, num_stages: int, threads: int, scheduler_trace: Path, timeline: Path
+) -> list[Sample]:
+    """The steps a real stack ran (`calibrate --in-stack`), one Sample per step kind and
+    stage: what each step computed from the scheduler's event trace (`--trace-scheduler`:
+    each request's scheduled tokens; its context is what it computed before, from its first
+    step, or from a preemption, which recomputes), how long each stage took from the
+    stages' timeline (`--timeline`: a step's slice from its inputs to its sends). Steps of
+    one kind (decode or with prefill, batch size, tokens, context to 64 tokens) are one
+    sample: the step of median time among them (a disturbed step does not count), weighted
+    by the kind's share of the run's busy time (the ramp's odd batches count for little,
+    the steady state's steps for much), the weights averaging 1."""
+    from services.worker.model.stages import logits_layer_equivalents, stage_spec
+
+    logits_cost = logits_layer_equivalents(
+        model.vocab_size, model.hidden_size, model.num_layer_params
+    )  # the split the workers use
+    steps: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    computed: dict[str, int] = {}
+    for line in scheduler_trace.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "transition" and event["to"] != "running":
+            computed.pop(event["request_id"], None)  # preempted (recomputes) or finished
+        elif event["event"] == "step" and event["request_ids"]:
+            seq_lens = []
+            for request_id, num in zip(event["request_ids"], event["num_tokens"], strict=True):
+                computed[request_id] = computed.get(request_id, 0) + num
+                seq_lens.append(computed[request_id])
+            steps[event["step_id"]] = (tuple(event["num_tokens"]), tuple(seq_lens))
+    groups: dict[tuple, list[Sample]] = {}
+    events = json.loads(timeline.read_text())["traceEvents"]
+    for event in events:
+        if event.get("ph") != "X" or not event["name"].startswith("step "):
+            continue
+        step = steps.get(int(event["name"].split()[1]))
+        if step is None:
+            continue
+        query_lens, seq_lens = step
+        spec = stage_spec(
+            model.num_hidden_layers, num_stages, event["tid"], last_stage_extra=logits_cost
+        )
+        kind = "decode" if max(query_lens) == 1 else "prefill"
+        context = sum(seq_lens) // len(seq_lens) // 64 * 64
+        tokens = sum(query_lens)
+        name = (
+            f"decode B={len(query_lens)} ctx~{context}"
+            if kind == "decode"
+            else f"{len(query_lens)} seqs, {tokens} tok"
+        )
+        sample = Sample(
+            Stage(event["tid"], num_stages, threads),
+            Case(name, kind, query_lens, seq_lens),
+            spec.num_layers,
+            spec.is_first,
+            spec.is_last,
+            event["dur"] / 1e6,
+        )
+        key = (event["tid"], kind, len(query_lens), tokens // 64, context)
+        groups.setdefault(key, []).append(sample)
+    total_s = sum(s.measured_s for group in groups.values() for s in group)
+    found = []
+    for key in sorted(groups):
+        group = sorted(groups[key], key=lambda s: s.measured_s)
+        share = sum(s.measured_s for s in group) / total_s
+        found.append(dataclasses.replace(group[len(group) // 2], weight=share * len(groups)))
+    return found
+
+
+def measure_in_stack(model_dir: Path, num_stages: int, threads: int, out: Path) -> list[Sample]:
+    """Serves the 64 x 128/128 burst on a real `conveyor up` of this layout (async) with
+    its timeline and event trace on, and reads the samples from them."""
+    from services.bench.sim_experiment import WORKLOADS, serve_workload
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = (out / f"scheduler-{num_stages}x{threads}.jsonl").resolve()
+    trace.unlink(missing_ok=True)
+    WORKLOADS["calibration"] = (64, 128, 128)
+    result = serve_workload(
+        model_dir, "cpu", num_stages, "async", "calibration", None, out,
+        ["--device", "cpu", "--trace-scheduler", str(trace)], threads,
+    )  # fmt: skip
+    if result.get("failed") or "trace" not in result:
+        raise RuntimeError(f"the real {num_stages}-stage run failed: {result}")
+    return stack_samples(
+        ModelConfig.from_dir(model_dir), num_stages, threads, trace, Path(result["trace"])
+    )
+
+
 def predict(model: ModelConfig, profile: HardwareProfile, sample: Sample) -> float:
     timing = StageTimingModel(model, profile, sample.num_layers, sample.is_first, sample.is_last)
     num_sampled = len(sample.case.query_lens) if sample.is_last else 0
@@ -212,14 +302,16 @@ def _with_params(base: HardwareProfile, x: np.ndarray) -> HardwareProfile:
 
 
 def fit(model: ModelConfig, base: HardwareProfile, samples: list[Sample]) -> HardwareProfile:
-    """`base` with FITTED minimising the squared log error of its predictions."""
+    """`base` with FITTED minimising the (weighted) squared log error of its predictions."""
     measured = np.log([s.measured_s for s in samples])
+    weights = np.array([s.weight for s in samples])
     x0 = np.log(START)
 
     def loss(x: np.ndarray) -> float:
         profile = _with_params(base, x)
         predicted = np.log([predict(model, profile, s) for s in samples])
-        return float(np.sum((predicted - measured) ** 2) + 1e-4 * np.sum((x - x0) ** 2))
+        error = np.sum(weights * (predicted - measured) ** 2)
+        return float(error + 1e-4 * np.sum((x - x0) ** 2))
 
     best = nelder_mead(loss, x0, step=0.5, iterations=4000)
     fitted = _with_params(base, best)
@@ -229,28 +321,37 @@ def fit(model: ModelConfig, base: HardwareProfile, samples: list[Sample]) -> Har
 
 
 def rms_error(model: ModelConfig, profile: HardwareProfile, samples: list[Sample]) -> float:
-    errors = [predict(model, profile, s) / s.measured_s - 1 for s in samples]
-    return math.sqrt(sum(e * e for e in errors) / len(errors))
+    """The root mean square of the relative errors, each sample counting its weight."""
+    errors = [(predict(model, profile, s) / s.measured_s - 1, s.weight) for s in samples]
+    return _rms(errors)
+
+
+def _rms(errors: list[tuple[float, float]]) -> float:
+    return math.sqrt(sum(w * e * e for e, w in errors) / sum(w for _, w in errors))
 
 
 def report(model: ModelConfig, peaks: HardwareProfile, fitted: HardwareProfile, samples) -> str:
     """The table of one thread count: measured, peaks-only and fitted predictions."""
+    weighted = any(s.weight != 1.0 for s in samples)
     lines = [
         f"{'stage':<10}{'case':<22}{'measured ms':>12}{'peaks ms':>10}{'fitted ms':>11}{'error':>8}"
+        + (f"{'weight':>8}" if weighted else "")
     ]
-    errors: dict[str, list[float]] = {}
+    errors: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         raw, pred = predict(model, peaks, s), predict(model, fitted, s)
         error = pred / s.measured_s - 1
-        errors.setdefault(s.case.kind, []).append(error)
+        errors.setdefault(s.case.kind, []).append((error, s.weight))
         lines.append(
             f"{s.stage.name:<10}{s.case.name:<22}{s.measured_s * 1e3:>12.2f}{raw * 1e3:>10.2f}"
-            f"{pred * 1e3:>11.2f}{error:>+8.1%}"
+            f"{pred * 1e3:>11.2f}{error:>+8.1%}" + (f"{s.weight:>8.2f}" if weighted else "")
         )
     for kind, errs in errors.items():
-        rms = math.sqrt(sum(e * e for e in errs) / len(errs))
-        worst = max(errs, key=abs)
-        lines.append(f"  {kind}: rms error {rms:.1%}, worst {worst:+.1%} ({len(errs)} cases)")
+        worst = max(errs, key=lambda ew: abs(ew[0]))[0]
+        lines.append(
+            f"  {kind}: rms error {_rms(errs):.1%}{' (weighted)' if weighted else ''}, "
+            f"worst {worst:+.1%} ({len(errs)} cases)"
+        )
     params = ", ".join(
         f"{name} {getattr(fitted, name) * (1e6 if name.endswith('_s') else 1):.3g}"
         + (" us" if name.endswith("_s") else "")
@@ -293,6 +394,15 @@ def main() -> None:
     parser.add_argument(
         "--concurrent", action="store_true", help="run the 2 stages at once (an idle machine)"
     )
+    parser.add_argument(
+        "--in-stack",
+        action="store_true",
+        help="time the steps of real `conveyor up` stacks serving the 64 x 128/128 burst "
+        "instead of stages alone (what the stack costs a step included)",
+    )
+    parser.add_argument(
+        "--results-dir", type=Path, default=Path("bench/results/calibration"), help="--in-stack"
+    )
     parser.add_argument("--save-samples", type=Path, default=None, metavar="FILE")
     parser.add_argument("--samples", type=Path, default=None, metavar="FILE", help="no measuring")
     args = parser.parse_args()
@@ -305,6 +415,14 @@ def main() -> None:
     peaks = load_peaks(args.peaks, sorted(layouts))
     if args.samples:
         all_samples = read_samples(args.samples)
+    elif args.in_stack:
+        all_samples = [
+            s
+            for threads, stages in layouts.items()
+            for s in measure_in_stack(args.model, len(stages), threads, args.results_dir)
+        ]
+        if args.save_samples:
+            save_samples(args.save_samples, all_samples)
     else:
         all_samples = [
             s

@@ -153,7 +153,10 @@ def _flags(argv: list[str]) -> None:
     [
         (["--calibration"], "--calibration goes with --compare --device sim"),
         (["--compare", "--calibration"], "--calibration goes with --compare --device sim"),
-        (["--compare", "--device", "sim", "--rounds", "2"], "--rounds also with --compare --device sim --calibration"),
+        (
+            ["--compare", "--device", "sim", "--rounds", "2"],
+            "--rounds also with --compare --device sim --calibration",
+        ),
     ],
 )
 def test_calibration_flags_are_checked(argv, error):

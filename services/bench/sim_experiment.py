@@ -307,9 +307,40 @@ def experiment_table(points: list[Point]) -> str:
     return grid(header, rows) + "\n\n" + grid(["async vs sync", "throughput", "TPOT"], ratios)
 
 
+def round_trip_ms(trace: dict, num_stages: int) -> float | None:
+    """The control plane's round trip in a sync run, from its stages' timeline (a Chrome
+    trace): with P steps in flight, step N + P is planned from step N's result, so the
+    time from the last stage ending step N to stage 0 starting step N + P is the report,
+    the scheduler's processing and Redis, the plan and its delivery. The median over the
+    run's steps; None without such pairs."""
+    starts, ends = {}, {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or not event["name"].startswith("step "):
+            continue
+        step_id = int(event["name"].split()[1])
+        if event["tid"] == 0:
+            starts[step_id] = event["ts"]
+        if event["tid"] == num_stages - 1:
+            ends[step_id] = event["ts"] + event["dur"]
+    gaps = [
+        (starts[step + num_stages] - end) / 1000.0
+        for step, end in ends.items()
+        if step + num_stages in starts and starts[step + num_stages] >= end
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def _round_trip(point: Point) -> str:
+    path = point.result.get("trace")
+    if not path or not Path(path).exists():
+        return "n/a"
+    rtt = round_trip_ms(json.loads(Path(path).read_text()), point.stages)
+    return "n/a" if rtt is None else f"{rtt:.2f}"
+
+
 def sweep_table(points: list[Point]) -> str:
     header = ["P", "step ms", "sync bubble", "async bubble", "async/sync tok/s"]
-    header += ["async/sync TPOT", "async of ideal", "plan us", "plans/s"]
+    header += ["async/sync TPOT", "async of ideal", "sync RTT ms", "plan us", "plans/s"]
     rows = []
     for sync, async_ in _pairs(points):
         a, s = async_.result, sync.result
@@ -322,6 +353,7 @@ def sweep_table(points: list[Point]) -> str:
                 f"{a['output_throughput'] / s['output_throughput']:.2f}",
                 f"{a['mean_tpot_ms'] / s['mean_tpot_ms']:.2f}",
                 f"{a['output_throughput'] / async_.ideal_throughput:.0%}",
+                _round_trip(sync),
                 f"{a.get('mean_schedule_us', 0):.0f}",
                 f"{a.get('plans_per_s', 0):.0f}",
             ]

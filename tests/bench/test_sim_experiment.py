@@ -64,4 +64,26 @@ def test_sweep_table_shows_both_bubbles_and_the_plan_rate():
     ]
     row = sx.sweep_table(points).splitlines()[-1].split()
     assert row[:6] == ["8", "2", "30%-30%", "4%-4%", "1.40", "0.72"]
-    assert row[-2:] == ["250", "800"]
+    assert row[-3:] == ["n/a", "250", "800"]  # no timeline: no round trip
+
+
+def _slice(stage: int, step_id: int, start_ms: float, dur_ms: float) -> dict:
+    return {"ph": "X", "tid": stage, "name": f"step {step_id}", "ts": start_ms * 1e3,
+            "dur": dur_ms * 1e3}  # fmt: skip
+
+
+def test_round_trip_is_last_stage_end_to_stage_0_start_p_steps_later(tmp_path):
+    # 2 stages, sync: steps 0 and 1 in flight; step 2 starts 3 ms after step 0 left stage 1,
+    # step 3 4 ms after step 1, step 4 5 ms after step 2.
+    events = [{"ph": "M", "name": "thread_name", "tid": 0}]
+    for step, start in enumerate([0.0, 10.0, 23.0, 34.0, 48.0]):
+        events += [_slice(0, step, start, 10.0), _slice(1, step, start + 10.0, 10.0)]
+    trace = {"traceEvents": events}
+    assert sx.round_trip_ms(trace, 2) == pytest.approx(4.0)  # median of 3, 4, 5 ms
+    assert sx.round_trip_ms({"traceEvents": events[:3]}, 2) is None
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    sync = _point(2, "sync", 300.0, 60.0, [0.3] * 2, step_ms=10.0)
+    sync.result["trace"] = str(path)
+    points = [sync, _point(2, "async", 420.0, 43.0, [0.04] * 2, step_ms=10.0)]
+    assert sx.sweep_table(points).splitlines()[-1].split()[-3:] == ["4.00", "250", "800"]

@@ -37,7 +37,7 @@ from services.bench.stack import Mode, start_stack
 logger = logging.getLogger(__name__)
 
 SIM_MODELS = Path(__file__).resolve().parents[1] / "worker" / "sim" / "models"
-WORKLOADS = {"short": (256, 128, 128), "long": (64, 2048, 512)}
+WORKLOADS = {"short": (256, 128, 128), "long": (64, 2048, 512), "calibration": (64, 128, 128)}
 SWEEP_STEP_MS = (20.0, 10.0, 5.0, 2.0, 1.0, 0.5)
 
 
@@ -120,9 +120,6 @@ def run_sim_compare(args: argparse.Namespace) -> int:
     return 0 if all(p.result.get("failed", 0) == 0 for p in points) else 1
 
 
-CALIBRATION_LAYOUTS = ((2, 1), (1, 2))
-"""(stages, threads per stage) of the real runs `calibrate` times and fits: 2 stages of 1
-thread and 1 stage of 2 threads on the 2-core machine."""
 CALIBRATION_TOLERANCE = 0.15
 """How far the simulated throughput and TPOT may be from the real ones (issue 16)."""
 
@@ -133,17 +130,20 @@ def run_calibration(args: argparse.Namespace, results_dir: Path) -> int:
     mode by default, real and simulated alternating for `--rounds` rounds; prints
     predicted against measured (medians)."""
     from services.models.fetch import fetch_model
+    from services.worker.sim.calibrate import LAYOUTS
 
     model = Path(args.model) if args.model else fetch_model("smollm2-135m")
     profile = args.sim_profile or "cpu"
+    num, inp, out = WORKLOADS["calibration"]
     WORKLOADS["calibration"] = (
-        args.num_prompts or 64,
-        args.input_len or 128,
-        args.output_len or 128,
+        args.num_prompts or num,
+        args.input_len or inp,
+        args.output_len or out,
     )
     runs: dict[tuple[int, int, str], list[dict]] = {}
     for round_ in range(args.rounds):
-        for stages, threads in CALIBRATION_LAYOUTS:
+        for threads, layout in LAYOUTS.items():
+            stages = len(layout)
             for device in ("real", "sim"):
                 device_args = ["--device", "cpu"] if device == "real" else None
                 result = serve_workload(

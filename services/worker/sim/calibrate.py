@@ -75,6 +75,11 @@ class Stage:
         return f"{self.index + 1}/{self.num_stages} ({self.threads}t)"
 
 
+LAYOUTS = {1: [Stage(0, 2, 1), Stage(1, 2, 1)], 2: [Stage(0, 1, 2)]}
+"""The real runs' layouts by threads per stage, as the 64 x 128/128 comparison runs them on
+2 cores: 2 stages of 1 thread, 1 stage of 2 threads."""
+
+
 @dataclass(slots=True)
 class Sample:
     """A case measured on a stage; `layers`, `is_first`, `is_last` for the timing model."""
@@ -271,12 +276,11 @@ def stack_samples(
 def measure_in_stack(model_dir: Path, num_stages: int, threads: int, out: Path) -> list[Sample]:
     """Serves the 64 x 128/128 burst on a real `conveyor up` of this layout (async) with
     its timeline and event trace on, and reads the samples from them."""
-    from services.bench.sim_experiment import WORKLOADS, serve_workload
+    from services.bench.sim_experiment import serve_workload
 
     out.mkdir(parents=True, exist_ok=True)
     trace = (out / f"scheduler-{num_stages}x{threads}.jsonl").resolve()
     trace.unlink(missing_ok=True)
-    WORKLOADS["calibration"] = (64, 128, 128)
     result = serve_workload(
         model_dir, "cpu", num_stages, "async", "calibration", None, out,
         ["--device", "cpu", "--trace-scheduler", str(trace)], threads,
@@ -411,7 +415,7 @@ def main() -> None:
 
         args.model = fetch_model("smollm2-135m")
     model = ModelConfig.from_dir(args.model)
-    layouts = {1: [Stage(0, 2, 1), Stage(1, 2, 1)], 2: [Stage(0, 1, 2)]}
+    layouts = LAYOUTS
     peaks = load_peaks(args.peaks, sorted(layouts))
     if args.samples:
         all_samples = read_samples(args.samples)

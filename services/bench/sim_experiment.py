@@ -120,6 +120,9 @@ def run_sim_compare(args: argparse.Namespace) -> int:
     return 0 if all(p.result.get("failed", 0) == 0 for p in points) else 1
 
 
+CALIBRATION_LAYOUTS = ((2, 1), (1, 2))
+"""(stages, threads per stage) of the real runs the "cpu" profile is fitted to and checked
+against (services/worker/sim/calibrate.py): 2 stages of 1 thread, 1 stage of 2 threads."""
 CALIBRATION_TOLERANCE = 0.15
 """How far the simulated throughput and TPOT may be from the real ones (issue 16)."""
 
@@ -130,7 +133,6 @@ def run_calibration(args: argparse.Namespace, results_dir: Path) -> int:
     mode by default, real and simulated alternating for `--rounds` rounds; prints
     predicted against measured (medians)."""
     from services.models.fetch import fetch_model
-    from services.worker.sim.calibrate import LAYOUTS
 
     model = Path(args.model) if args.model else fetch_model("smollm2-135m")
     profile = args.sim_profile or "cpu"
@@ -142,8 +144,7 @@ def run_calibration(args: argparse.Namespace, results_dir: Path) -> int:
     )
     runs: dict[tuple[int, int, str], list[dict]] = {}
     for round_ in range(args.rounds):
-        for threads, layout in LAYOUTS.items():
-            stages = len(layout)
+        for stages, threads in CALIBRATION_LAYOUTS:
             for device in ("real", "sim"):
                 device_args = ["--device", "cpu"] if device == "real" else None
                 result = serve_workload(

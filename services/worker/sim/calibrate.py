@@ -75,11 +75,6 @@ class Stage:
         return f"{self.index + 1}/{self.num_stages} ({self.threads}t)"
 
 
-LAYOUTS = {1: [Stage(0, 2, 1), Stage(1, 2, 1)], 2: [Stage(0, 1, 2)]}
-"""The real runs' layouts by threads per stage, as the 64 x 128/128 comparison runs them on
-2 cores: 2 stages of 1 thread, 1 stage of 2 threads."""
-
-
 @dataclass(slots=True)
 class Sample:
     """A case measured on a stage; `layers`, `is_first`, `is_last` for the timing model."""
@@ -415,7 +410,12 @@ def main() -> None:
 
         args.model = fetch_model("smollm2-135m")
     model = ModelConfig.from_dir(args.model)
-    layouts = LAYOUTS
+    from services.bench.sim_experiment import CALIBRATION_LAYOUTS
+
+    layouts = {  # threads per stage -> the stages of that layout
+        threads: [Stage(i, stages, threads) for i in range(stages)]
+        for stages, threads in CALIBRATION_LAYOUTS
+    }
     peaks = load_peaks(args.peaks, sorted(layouts))
     if args.samples:
         all_samples = read_samples(args.samples)

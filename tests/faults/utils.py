@@ -239,8 +239,11 @@ def run_streams(
     after_tokens: int = 0,
     fault_wait_s: float = 120,
 ) -> list[Outcome]:
-    """Streams every prompt at once through `router`; calls `fault()` once the streams
-    together received `after_tokens` tokens, then waits for all of them to end."""
+    """Streams every prompt at once through `router`; calls `fault()` once every stream was
+    accepted (its first message arrived) and together they received `after_tokens` tokens,
+    then waits for all of them to end. A stream that the fault met before its Submit reached
+    the scheduler would rightly be refused (UNAVAILABLE while Redis is down), which is not
+    what these tests check: what was accepted is neither lost nor duplicated."""
     outcomes = [Outcome() for _ in prompts]
     threads = [
         threading.Thread(target=generate, args=(router, p, max_tokens, o), daemon=True)
@@ -249,7 +252,13 @@ def run_streams(
     for thread in threads:
         thread.start()
     if fault is not None:
-        wait_until(lambda: sum(len(o.token_ids) for o in outcomes) >= after_tokens, fault_wait_s)
+        wait_until(
+            lambda: (
+                all(o.request_id or o.error for o in outcomes)
+                and sum(len(o.token_ids) for o in outcomes) >= after_tokens
+            ),
+            fault_wait_s,
+        )
         fault()
     for thread in threads:
         thread.join(timeout=300)

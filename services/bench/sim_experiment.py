@@ -37,7 +37,9 @@ from services.bench.stack import Mode, start_stack
 logger = logging.getLogger(__name__)
 
 SIM_MODELS = Path(__file__).resolve().parents[1] / "worker" / "sim" / "models"
-WORKLOADS = {"short": (256, 128, 128), "long": (64, 2048, 512), "calibration": (64, 128, 128)}
+CALIBRATION_WORKLOAD = (64, 128, 128)
+"""(requests, input tokens, output tokens) the "cpu" profile is fitted to and checked on."""
+WORKLOADS = {"short": (256, 128, 128), "long": (64, 2048, 512), "calibration": CALIBRATION_WORKLOAD}
 SWEEP_STEP_MS = (20.0, 10.0, 5.0, 2.0, 1.0, 0.5)
 
 
@@ -136,7 +138,7 @@ def run_calibration(args: argparse.Namespace, results_dir: Path) -> int:
 
     model = Path(args.model) if args.model else fetch_model("smollm2-135m")
     profile = args.sim_profile or "cpu"
-    num, inp, out = WORKLOADS["calibration"]
+    num, inp, out = CALIBRATION_WORKLOAD  # not WORKLOADS[...]: an earlier run may have set it
     WORKLOADS["calibration"] = (
         args.num_prompts or num,
         args.input_len or inp,

@@ -4,8 +4,9 @@ One call serves a whole flattened mixed batch (prefill chunks and decodes togeth
 
 1. the new K/V rows are written into the paged cache at `slot_mapping`;
 2. each sequence's context is gathered from its blocks into a dense [B, L, Hkv, D];
-3. one batched `scaled_dot_product_attention` per kind of sequence (decodes, and chunks
-   of more than one token) with a boolean mask built from positions and seq_lens.
+3. `scaled_dot_product_attention` with a boolean causal mask: one batched call for the
+   decodes, and one per run of same-shape chunks (never padded, so a row's bits do not
+   depend on the other sequences in the batch: `chunk_attention`).
 
 GQA never copies K/V per query head: the G = Hq / Hkv query heads that share a KV head are
 folded into the query-length axis, so each KV head is attended once:
@@ -15,6 +16,7 @@ folded into the query-length axis, so each KV head is attended once:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -177,44 +179,55 @@ def chunk_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """General case: q [T, Hq, D] rows of chunks, padded to [B, Qmax] for one batched call."""
-    num_tokens, num_heads, head_dim = q.shape
+    """General case (prefill chunks): q [T, Hq, D] -> [T, Hq, D], one SDPA call per run of
+    consecutive sequences of the same shape (query length, context length), none padded.
+
+    Padding a chunk to a longer neighbour's length changed its bits: SDPA's tiling and
+    reductions follow the padded lengths (bfloat16: by an ulp, enough to flip a near-tie
+    token), so a request's tokens depended on the batch around it, and sync and async
+    scheduling batch requests differently. Unpadded, a row's result is a function of its
+    own sequence alone (SDPA computes each batch entry on its own); a benchmark's equal
+    prompts still share one call, and mixed lengths no longer pay for padding."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    shapes = zip(meta.query_lens.tolist(), meta.seq_lens.tolist(), strict=True)
+    first = 0
+    for (query_len, seq_len), run in itertools.groupby(shapes):
+        count = sum(1 for _ in run)
+        rows = slice(starts[first], starts[first + count])
+        tables = meta.block_tables[first : first + count]
+        out[rows] = _same_shape_attention(
+            q[rows], k_cache, v_cache, tables, query_len, seq_len, scale
+        )
+        first += count
+    return out
+
+
+def _same_shape_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_len: int,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """B sequences of one shape: q [B * Q, Hq, D], each chunk the last Q of its L tokens."""
+    num_seqs, (_, num_heads, head_dim) = block_tables.shape[0], q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_seqs, max_q = meta.num_seqs, meta.max_query_len
-    query_lens = meta.query_lens.long()
-    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), query_lens)
-    offset_of_row = (
-        torch.arange(num_tokens, device=q.device) - meta.query_start_loc[:-1].long()[seq_of_row]
-    )  # [T]
-    padded = q.new_zeros(num_seqs, max_q, num_kv_heads, group, head_dim)
-    padded[seq_of_row, offset_of_row] = q.view(num_tokens, num_kv_heads, group, head_dim)
-    query = padded.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
-
-    keys = gather_context(k_cache, meta.block_tables, meta.max_seq_len)  # [B, Hkv, L, D]
-    values = gather_context(v_cache, meta.block_tables, meta.max_seq_len)
-    mask = _chunk_mask(meta, max_q, group, q.device)  # [B, 1, Qmax*G, L]
+    query = q.view(num_seqs, query_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    query = query.reshape(num_seqs, num_kv_heads, query_len * group, head_dim)
+    keys = gather_context(k_cache, block_tables, seq_len)  # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, seq_len)
+    # query i (at position L - Q + i) sees keys 0..L - Q + i; G query heads per KV head
+    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device)
+    mask = mask.tril(seq_len - query_len).repeat_interleave(group, dim=0)  # [Q*G, L]
     out = F.scaled_dot_product_attention(
         query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
-    )  # [B, Hkv, Qmax*G, D]
-    out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out[seq_of_row, offset_of_row].reshape(num_tokens, num_heads, head_dim)
-
-
-def _chunk_mask(
-    meta: AttentionMetadata, max_q: int, group: int, device: torch.device
-) -> torch.Tensor:
-    """[B, 1, Qmax*G, L] bool: query i of sequence b sees key j iff j <= its position.
-
-    Padding queries (i >= query_len) get the last position so no row is fully masked.
-    """
-    seq_lens = meta.seq_lens.long()
-    first_pos = seq_lens - meta.query_lens.long()  # [B] position of each chunk's first row
-    offsets = torch.arange(max_q, device=device)
-    q_pos = torch.minimum(first_pos[:, None] + offsets[None, :], seq_lens[:, None] - 1)
-    key_pos = torch.arange(meta.max_seq_len, device=device)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, L]
-    return mask.repeat_interleave(group, dim=1)[:, None]
+    )  # [B, Hkv, Q*G, D]
+    out = out.view(num_seqs, num_kv_heads, query_len, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(num_seqs * query_len, num_heads, head_dim)
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

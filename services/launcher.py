@@ -182,12 +182,13 @@ class Stack:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM in reverse start order: the router, then the scheduler (waited for: it
-        reads the workers' timelines as it stops), then every worker at once."""
-        deadline = time.monotonic() + grace_s
+        reads the workers' timelines as it stops), then every worker at once. Each wave has
+        `grace_s` of its own: a router slow to drain does not shorten the scheduler's."""
         children = list(reversed(self.children))
         workers = [c for c in children if c.name.startswith("worker")]
         waves = [[c] for c in children if c not in workers] + [workers]
         for wave in waves:
+            deadline = time.monotonic() + grace_s
             for child in wave:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)

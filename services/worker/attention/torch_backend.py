@@ -213,7 +213,7 @@ def _same_shape_attention(
     scale: float,
 ) -> torch.Tensor:
     """B sequences of one shape: q [B * Q, Hq, D], each chunk the last Q of its L tokens."""
-    num_seqs, (_, num_heads, head_dim) = block_tables.shape[0], q.shape
+    num_seqs, num_heads, head_dim = block_tables.shape[0], q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     query = q.view(num_seqs, query_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)

@@ -198,6 +198,24 @@ async def stats_to_pb(
     return msg
 
 
+async def write_timeline(pipeline: Pipeline, path: str) -> None:
+    """Writes the stages' Chrome/Perfetto trace to `path` (`--timeline`, on stop): every stage
+    that answers; a stage that is gone is named in a warning and left out, not the whole trace."""
+    from services.scheduler.timeline import write_chrome_trace
+
+    replies = await pipeline.timelines(include_steps=True, return_exceptions=True)
+    timelines = []
+    for stage, reply in enumerate(replies):
+        if isinstance(reply, grpc.RpcError):
+            logger.warning("stage %d's timeline is not in the trace: %s", stage, reply.code().name)
+        elif isinstance(reply, BaseException):
+            raise reply
+        else:
+            timelines.append(reply)
+    write_chrome_trace(timelines, path)
+    logger.info("wrote the pipeline timeline of %d stages to %s", len(timelines), path)
+
+
 async def serve(config: SchedulerConfig) -> int:
     """Runs the scheduler until SIGTERM/SIGINT, then writes the timeline and stops; returns
     the exit code: 1 when the scheduling loop died (a supervisor restarts the process, which
@@ -207,7 +225,6 @@ async def serve(config: SchedulerConfig) -> int:
     from services.common.security import internal_client, internal_server_security
     from services.scheduler.observability import install as install_observers
     from services.scheduler.store import RedisStateStore
-    from services.scheduler.timeline import write_chrome_trace
 
     redis_server = None
     redis_url = config.redis_url
@@ -274,12 +291,7 @@ async def serve(config: SchedulerConfig) -> int:
             dead.cancel()
     await server.health.enter_graceful_shutdown()
     if config.timeline and service.scheduler is not None:
-        try:
-            timelines = await pipeline.timelines(include_steps=True)
-            write_chrome_trace(timelines, config.timeline)
-            logger.info("wrote the pipeline timeline to %s", config.timeline)
-        except grpc.RpcError as exc:
-            logger.warning("could not collect the timeline: %s", exc.code().name)
+        await write_timeline(pipeline, config.timeline)
     starter.cancel()
     if peers_task is not None:
         peers_task.cancel()

@@ -142,7 +142,8 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
     # the stack writes the run's trace on stop; the bubble picture is drawn from it
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    assert trace.exists(), "conveyor up --timeline wrote no trace on SIGTERM"
+    log = (tmp_path / "up.log").read_text()[-5000:]  # the stop's order, the scheduler's warnings
+    assert trace.exists(), f"conveyor up --timeline wrote no trace on SIGTERM; its log:\n{log}"
     assert plot_trace(trace, tmp_path / "bubble.png").stat().st_size > 0
 
 

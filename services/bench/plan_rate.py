@@ -86,6 +86,9 @@ class NullStage(worker_pb2_grpc.StageWorkerServicer):
                     computed[r.request_id] += r.num_scheduled_tokens
                     if computed[r.request_id] >= prompt_len[r.request_id]:
                         sampled.append(r.request_id)
+                for request_id in plan.decode_request_ids:  # past their prompts: sample
+                    computed[request_id] += 1
+                    sampled.append(request_id)
                 if is_last:
                     yield worker_pb2.StepReport(
                         step_id=plan.step_id,

@@ -11,10 +11,10 @@ shows as spread, not as cost):
 
     prepare    what a real stage runs before its kernels: `_apply_plan` (the plan's deltas
                into the request states) + `_prepare` (attention metadata, stage 0's input
-               ids), on stage 0 of 2
-    sim first  `SimStageRunner.execute` of stage 0 of 2, no modeled time (the bookkeeping,
+               ids), on stage 0 of 8
+    sim first  `SimStageRunner.execute` of stage 0 of 8, no modeled time (the bookkeeping,
                the timing model, the wire tensor to the next stage)
-    sim last   the same for stage 1 of 2 (the wire check, the sim's sampling)
+    sim last   the same for stage 7 of 8 (the wire check, the sim's sampling)
     plan pb    a worker's decoding of the plan message: parse + `plan_from_pb`
     report pb  the last stage's report (`outcome_to_pb` + serialize) and the tensor of
                tokens it forwards to stage 0 in async mode
@@ -117,12 +117,18 @@ class PlanStream:
         return plan
 
 
+NUM_STAGES = 8
+"""Stages of the modeled pipeline: 8 H200s hold the KV of 256 requests at 2-3k tokens of
+Llama-3-70B (2 do not: a plan's block ids must fit the stage's cache, as the worker checks).
+The bookkeeping does not depend on a stage's number of layers."""
+
+
 def sim_runner(stage_index: int) -> SimStageRunner:
-    """A simulated stage of 2 (Llama-3-70B on an H200) that does not sleep."""
+    """A simulated stage of NUM_STAGES (Llama-3-70B on an H200) that does not sleep."""
     config = WorkerConfig(
         model_dir=str(MODELS_DIR / "llama-3-70b"),
         stage_index=stage_index,
-        num_stages=2,
+        num_stages=NUM_STAGES,
         device="sim",
         sim_profile="h200",
         max_model_len=8192,
@@ -157,7 +163,7 @@ def cpu_us_per_step(
 
 def measure(case: Case, num_steps: int, repeats: int) -> dict[str, tuple[float, float, float]]:
     stream = PlanStream(case, num_steps)
-    first, last = sim_runner(0), sim_runner(1)
+    first, last = sim_runner(0), sim_runner(NUM_STAGES - 1)
 
     def reset(*runners: SimStageRunner) -> Callable[[], None]:
         def setup() -> None:

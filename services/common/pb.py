@@ -69,6 +69,24 @@ def sampling_from_pb(
 
 
 def plan_to_pb(plan: StepPlan, tokens_from_last_stage: bool) -> worker_pb2.StepPlan:
+    """The plan's message: plain decodes (`is_plain_decode`) go in the decode columns."""
+    num_input_tokens = 0 if tokens_from_last_stage else 1
+    cached, decode_ids, decode_token_ids = [], [], []
+    for r in plan.cached_requests:
+        if is_plain_decode(r, num_input_tokens):
+            decode_ids.append(r.request_id)
+            decode_token_ids += r.new_token_ids
+        else:
+            cached.append(
+                worker_pb2.CachedRequest(
+                    request_id=r.request_id,
+                    num_scheduled_tokens=r.num_scheduled_tokens,
+                    new_block_ids=r.new_block_ids,
+                    new_token_ids=r.new_token_ids,
+                    spec_token_ids=r.spec_token_ids,
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+            )
     return worker_pb2.StepPlan(
         step_id=plan.step_id,
         new_requests=[
@@ -83,19 +101,23 @@ def plan_to_pb(plan: StepPlan, tokens_from_last_stage: bool) -> worker_pb2.StepP
             )
             for r in plan.new_requests
         ],
-        cached_requests=[
-            worker_pb2.CachedRequest(
-                request_id=r.request_id,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                new_block_ids=r.new_block_ids,
-                new_token_ids=r.new_token_ids,
-                spec_token_ids=r.spec_token_ids,
-                num_computed_tokens=r.num_computed_tokens,
-            )
-            for r in plan.cached_requests
-        ],
+        cached_requests=cached,
         finished_request_ids=plan.finished_request_ids,
         tokens_from_last_stage=tokens_from_last_stage,
+        decode_request_ids=decode_ids,
+        decode_token_ids=decode_token_ids,
+    )
+
+
+def is_plain_decode(request: CachedRequest, num_input_tokens: int) -> bool:
+    """Whether `request` fits the plan's decode columns: one token, `num_input_tokens` input
+    tokens with it (1 in sync mode, 0 in async), nothing else."""
+    return (
+        request.num_scheduled_tokens == 1
+        and len(request.new_token_ids) == num_input_tokens
+        and not request.new_block_ids
+        and not request.spec_token_ids
+        and request.num_computed_tokens is None
     )
 
 
@@ -106,6 +128,31 @@ def _ints(values) -> list[int]:
 
 
 def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
+    """The plan of a message; raises ValueError when its decode columns disagree."""
+    decode_ids = msg.decode_request_ids[:]
+    cached = [
+        CachedRequest(
+            request_id=r.request_id,
+            num_scheduled_tokens=r.num_scheduled_tokens,
+            new_block_ids=_ints(r.new_block_ids),
+            new_token_ids=_ints(r.new_token_ids),
+            spec_token_ids=_ints(r.spec_token_ids),
+            num_computed_tokens=(
+                r.num_computed_tokens if r.HasField("num_computed_tokens") else None
+            ),
+        )
+        for r in msg.cached_requests
+    ]
+    if msg.decode_token_ids:
+        if len(msg.decode_token_ids) != len(decode_ids):
+            raise ValueError(
+                f"{len(msg.decode_token_ids)} decode_token_ids for {len(decode_ids)} "
+                "decode_request_ids (one each, or none in async mode)"
+            )
+        tokens = msg.decode_token_ids
+        cached += [CachedRequest(i, 1, [], [t]) for i, t in zip(decode_ids, tokens, strict=True)]
+    else:
+        cached += [CachedRequest(i, 1, [], []) for i in decode_ids]
     return StepPlan(
         step_id=msg.step_id,
         new_requests=[
@@ -120,19 +167,7 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
             )
             for r in msg.new_requests
         ],
-        cached_requests=[
-            CachedRequest(
-                request_id=r.request_id,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                new_block_ids=_ints(r.new_block_ids),
-                new_token_ids=_ints(r.new_token_ids),
-                spec_token_ids=_ints(r.spec_token_ids),
-                num_computed_tokens=(
-                    r.num_computed_tokens if r.HasField("num_computed_tokens") else None
-                ),
-            )
-            for r in msg.cached_requests
-        ],
+        cached_requests=cached,
         finished_request_ids=msg.finished_request_ids[:],
     )
 

@@ -42,6 +42,7 @@ class StepObserver:
         if self.tracing is not None and msg.trace_parent:
             ids = [r.request_id for r in msg.new_requests]
             ids.extend(r.request_id for r in msg.cached_requests)
+            ids.extend(msg.decode_request_ids)
             self._traced[msg.step_id] = (msg.trace_parent, ids)
 
     def reset(self) -> None:

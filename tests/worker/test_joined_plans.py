@@ -47,7 +47,8 @@ def test_joined_plans_parse_as_the_first_with_the_rest_following():
     msg = worker_pb2.StepPlan.FromString(_joined(plans))
     assert [p.step_id for p in (msg, *msg.following)] == [0, 1, 2]
     assert all(not p.following for p in msg.following)
-    assert msg.following[1].cached_requests[0].new_token_ids == [8]
+    assert msg.following[1].decode_request_ids == ["a"]  # a plain decode: the columns
+    assert msg.following[1].decode_token_ids == [8]
     assert msg.new_requests[0].token_ids == PROMPT
 
 
@@ -134,3 +135,11 @@ def test_worker_refuses_a_step_id_that_does_not_increase(worker):
     msg = worker_pb2.StepPlan(step_id=5, following=[worker_pb2.StepPlan(step_id=3)])
     reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
     assert [r.step_id for r in reports if "came after step 5" in r.error] == [3]
+
+
+def test_worker_refuses_decode_columns_that_disagree(worker):
+    bad = worker_pb2.StepPlan(step_id=1, decode_request_ids=["a", "b"], decode_token_ids=[7])
+    msg = worker_pb2.StepPlan(step_id=0, following=[bad])
+    reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
+    errors = [(r.step_id, r.error) for r in reports if r.error]
+    assert [s for s, e in errors if "1 decode_token_ids for 2" in e] == [1], errors

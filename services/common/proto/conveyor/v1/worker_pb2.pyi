@@ -101,7 +101,7 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "tokens_from_last_stage", "trace_parent", "following")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "tokens_from_last_stage", "trace_parent", "following", "decode_request_ids", "decode_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class StepPlan(_message.Message):
     TOKENS_FROM_LAST_STAGE_FIELD_NUMBER: _ClassVar[int]
     TRACE_PARENT_FIELD_NUMBER: _ClassVar[int]
     FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -116,7 +118,9 @@ class StepPlan(_message.Message):
     tokens_from_last_stage: bool
     trace_parent: str
     following: _containers.RepeatedCompositeFieldContainer[StepPlan]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., tokens_from_last_stage: _Optional[bool] = ..., trace_parent: _Optional[str] = ..., following: _Optional[_Iterable[_Union[StepPlan, _Mapping]]] = ...) -> None: ...
+    decode_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., tokens_from_last_stage: _Optional[bool] = ..., trace_parent: _Optional[str] = ..., following: _Optional[_Iterable[_Union[StepPlan, _Mapping]]] = ..., decode_request_ids: _Optional[_Iterable[str]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step_id", "stage", "request_ids", "token_ids", "logprobs", "logprobs_index", "compute_start_ns", "compute_end_ns", "wait_ns", "error")

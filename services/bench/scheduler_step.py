@@ -138,7 +138,7 @@ def bench_pipeline(num_plans: int, store, num_stages: int = 8) -> tuple[list[flo
         deltas = scheduler.process_result(_result(done))
         response = scheduler_pb2.SessionResponse()
         for n, delta in enumerate(deltas):
-            response.updates.add(stream_id=n + 1, delta=delta_to_pb(delta))
+            delta_to_pb(delta, response.updates.add(stream_id=n + 1).delta)
         response.SerializeToString()
         if step >= 64:
             samples.append(time.process_time() - t0)

@@ -45,7 +45,7 @@ from services.common.errors import (
     RequestExists,
     UnknownRequest,
 )
-from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult
+from services.common.step import CachedRequest, NewRequest, StepPlan, StepResult, TokenLogprobs
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy
 from services.scheduler.policy import make_policy
@@ -77,6 +77,10 @@ class PauseMode(str, enum.Enum):
     """Plan nothing: running requests stay where they are, their KV kept."""
     ABORT = "abort"
     """Running requests are aborted (by the service); then as KEEP."""
+
+
+_Run = tuple[Request, list[int], list[TokenLogprobs | None]]
+"""A request's tokens in a step's result, and their logprobs (`StepResult.runs`)."""
 
 
 @dataclass(slots=True)
@@ -738,19 +742,18 @@ class Scheduler:
         self.apply_result(result)
         return self.outputs.flush()
 
-    def apply_result(self, result: StepResult) -> None:
+    def apply_result(self, result: StepResult, runs: list[_Run] | None = None) -> None:
         """`process_result` without the flush: the step's writes and deltas stay buffered in
-        `outputs` (the service applies every report that is waiting, then flushes once)."""
-        self.check_result(result)
+        `outputs` (the service applies every report that is waiting, then flushes once).
+        `runs`: what `check_result(result)` returned, when the caller checked it already."""
+        if runs is None:
+            runs = self.check_result(result)
         step_id = result.step_id
         if self._isolated_since is not None and step_id >= self._isolated_since:
             self.suspects.pop(self.isolated_id, None)  # it passed a step alone: cleared
             self._isolated_since = None
-        for request_id, token_ids, logprobs in result.runs():
-            request = self._applies_to(request_id, step_id)
-            if request is None:
-                logger.debug("discarding tokens of %s from step %d", request_id, step_id)
-                continue
+        for request, token_ids, logprobs in runs:
+            request_id = request.request_id
             request.pending_step_ids.pop(0)
             drafts, request.spec_token_ids = request.spec_token_ids, []
             num_accepted = len(token_ids) - 1  # their KV was computed with the step
@@ -786,8 +789,10 @@ class Scheduler:
             return None
         return request
 
-    def check_result(self, result: StepResult) -> None:
-        """Raises ValueError when a stage's result cannot be a result of a planned step."""
+    def check_result(self, result: StepResult) -> list[_Run]:
+        """The result's runs that apply (`_applies_to`; the others are discarded), for
+        `apply_result`; raises ValueError when a stage's result cannot be a result of a
+        planned step."""
         num_logprobs = len(result.logprobs) if result.logprobs else len(result.request_ids)
         if not len(result.request_ids) == len(result.token_ids) == num_logprobs:
             raise ValueError(
@@ -798,9 +803,11 @@ class Scheduler:
             raise ValueError(f"step {result.step_id} was never planned")
         if any(not 0 <= t < 2**31 for t in result.token_ids):
             raise ValueError(f"step {result.step_id} result holds a token id out of range")
-        for request_id, token_ids, _ in result.runs():
+        runs = []
+        for request_id, token_ids, logprobs in result.runs():
             request = self._applies_to(request_id, result.step_id)
             if request is None:
+                logger.debug("discarding tokens of %s from step %d", request_id, result.step_id)
                 continue
             drafts = request.spec_token_ids
             if len(token_ids) > len(drafts) + 1 or token_ids[:-1] != drafts[: len(token_ids) - 1]:
@@ -809,6 +816,8 @@ class Scheduler:
                     f"tokens for {len(drafts)} proposed: a step yields the accepted proposed "
                     "tokens and one more"
                 )
+            runs.append((request, token_ids, logprobs))
+        return runs
 
     def updates_pending(self) -> list[RequestUpdate]:
         """State changes not yet persisted (for tests and diagnostics)."""

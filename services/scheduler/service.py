@@ -521,10 +521,10 @@ class SchedulerService:
             self.observer.begin_step(report.step_id)
         try:
             result = result_from_report(report)
-            self.scheduler.check_result(result)
+            runs = self.scheduler.check_result(result)
         except ValueError as exc:  # a stage that sends nonsense is broken: re-form the pipeline
             raise PipelineBroken(f"stage {item.stage} sent a malformed report: {exc}") from exc
-        self.scheduler.apply_result(result)
+        self.scheduler.apply_result(result, runs)
 
     def _flush_buffered(self) -> None:
         """While the store fails: send what is buffered again (even with no step left to

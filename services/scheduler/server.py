@@ -21,6 +21,7 @@ from services.scheduler.pipeline import Pipeline
 from services.scheduler.scheduler import PauseMode
 from services.scheduler.service import SchedulerService
 from services.scheduler.session import RouterSession, delta_to_pb
+from services.scheduler.timeline import write_chrome_trace
 from services.scheduler.weights import WeightControl
 
 logger = logging.getLogger(__name__)
@@ -201,8 +202,6 @@ async def stats_to_pb(
 async def write_timeline(pipeline: Pipeline, path: str) -> None:
     """Writes the stages' Chrome/Perfetto trace to `path` (`--timeline`, on stop): every stage
     that answers; a stage that is gone is named in a warning and left out, not the whole trace."""
-    from services.scheduler.timeline import write_chrome_trace
-
     replies = await pipeline.timelines(include_steps=True, return_exceptions=True)
     timelines = []
     for stage, reply in enumerate(replies):

@@ -49,6 +49,7 @@ bench: install model
 # Against vLLM's CPU build and OpenVINO GenAI, each built in its own virtualenv under
 # ~/.cache/conveyor/peers on first use (slow: minutes). ROUNDS=2 DTYPE=bfloat16 to vary.
 bench-peers: install model
+	bash scripts/install.sh --peers
 	$(PY) -m services.cli bench --compare --peers vllm,openvino --rounds $(or $(ROUNDS),1) \
 		--dtype $(or $(DTYPE),float32)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Conveyor needs on a fresh machine: redis-server and g++ (when missing), a
 # virtualenv at .venv with the pinned CPU torch first, then the project with its test and
-# bench extras.
+# bench extras. With --peers: only what `make bench-peers` needs beyond that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +16,14 @@ apt_install() {
         exit 1
     fi
 }
+
+# `make bench-peers`: vLLM's CPU docs ask for tcmalloc preloaded (the bench preloads it when
+# it is there, and runs vLLM slower without it).
+if [ "${1:-}" = "--peers" ]; then
+    ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal ||
+        apt_install libgoogle-perftools4 "install gperftools' tcmalloc for vLLM and retry"
+    exit 0
+fi
 
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server "install Redis 6+ and retry"
 # g++ builds the workers' CPU attention kernel (without it they fall back to plain torch)

@@ -34,3 +34,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):
         sys.exit(f"parent process {parent} is gone")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m services.common.process PROGRAM [ARGS...]`, started with `child_env()`:
+    becomes PROGRAM (exec, same pid) bound to die with the process that started it. For
+    children that cannot call `die_with_parent` themselves (a peer engine's server)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: python -m services.common.process PROGRAM [ARGS...]")
+    die_with_parent()  # the death signal survives exec
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from pathlib import Path
 from services.bench.cpu import CpuMeter
 from services.bench.peers.venv import PeerSpec, PeerVenv
 from services.bench.run import Workload
+from services.common.process import child_env
 from services.common.redis_server import free_port
 
 logger = logging.getLogger(__name__)
@@ -280,8 +282,17 @@ def serving(
     port = free_port()
     log_path = run.results_dir / ("vllm-serve-spec.log" if speculative_config else "vllm-serve.log")
     with log_path.open("w") as log:
+        # through services.common.process: a bench killed outright takes the server along
         proc = subprocess.Popen(
-            serve_argv(run, port, speculative_config), env=env, stdout=log, stderr=subprocess.STDOUT
+            [
+                sys.executable,
+                "-m",
+                "services.common.process",
+                *serve_argv(run, port, speculative_config),
+            ],
+            env=child_env(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         _wait_healthy(port, proc, log_path, startup_timeout_s)

@@ -188,7 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="--peers: run every system this many times, alternating; medians (default: 1)",
+        help="--peers: run every system this many times, alternating; medians. --device sim "
+        "--sweep: run each point's sync and async this many times, alternating; the median "
+        "run of each (default: 1)",
     )
     compare.add_argument(
         "--dtype",
@@ -265,11 +267,11 @@ def _check_peer_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
     with_peers = args.compare and args.peers and not args.speculative_config
     with_spec = args.compare and args.speculative_config
-    with_calibration = args.compare and args.device == "sim" and args.calibration
-    if args.rounds != 1 and not (with_peers or with_calibration):
+    with_rounds = args.compare and args.device == "sim" and (args.calibration or args.sweep)
+    if args.rounds != 1 and not (with_peers or with_rounds):
         raise SystemExit(
             "--rounds, --dtype and --peers-dir go with --compare --peers (--rounds also "
-            "with --compare --device sim --calibration)"
+            "with --compare --device sim --calibration or --sweep)"
         )
     if (args.dtype != "float32" or args.peers_dir) and not (with_peers or with_spec):
         raise SystemExit(

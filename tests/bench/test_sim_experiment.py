@@ -87,3 +87,18 @@ def test_round_trip_is_last_stage_end_to_stage_0_start_p_steps_later(tmp_path):
     sync.result["trace"] = str(path)
     points = [sync, _point(2, "async", 420.0, 43.0, [0.04] * 2, step_ms=10.0)]
     assert sx.sweep_table(points).splitlines()[-1].split()[-3:] == ["4.00", "250", "800"]
+
+
+def test_median_run_keeps_one_whole_run_and_the_range():
+    runs = [
+        {"output_throughput": 300.0, "mean_tpot_ms": 9.0},
+        {"output_throughput": 100.0, "mean_tpot_ms": 30.0},
+        {"output_throughput": 200.0, "mean_tpot_ms": 15.0},
+    ]
+    assert sx.median_run(runs) == {
+        "output_throughput": 200.0,
+        "mean_tpot_ms": 15.0,
+        "throughput_range": [100.0, 300.0],
+    }
+    assert sx.median_run(runs[:2])["output_throughput"] == 100.0  # the lower middle of two
+    assert sx.median_run(runs[:1]) == runs[0]  # one run: as it is

@@ -155,7 +155,7 @@ def _flags(argv: list[str]) -> None:
         (["--compare", "--calibration"], "--calibration goes with --compare --device sim"),
         (
             ["--compare", "--device", "sim", "--rounds", "2"],
-            "--rounds also with --compare --device sim --calibration",
+            "--rounds also with --compare --device sim --calibration or --sweep",
         ),
     ],
 )
@@ -164,5 +164,6 @@ def test_calibration_flags_are_checked(argv, error):
         _flags(argv)
 
 
-def test_calibration_takes_rounds():
+def test_calibration_and_the_sweep_take_rounds():
     _flags(["--compare", "--device", "sim", "--calibration", "--rounds", "3"])
+    _flags(["--compare", "--device", "sim", "--sweep", "--rounds", "3"])

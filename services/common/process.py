@@ -36,6 +36,12 @@ def die_with_parent() -> None:
         sys.exit(f"parent process {parent} is gone")
 
 
+def bound_to_parent(argv: list[str]) -> list[str]:
+    """`argv` run through this module (`main`): the program it names dies with the process
+    that starts it. Start it with `env=child_env(...)`."""
+    return [sys.executable, "-m", "services.common.process", *argv]
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m services.common.process PROGRAM [ARGS...]`, started with `child_env()`:
     becomes PROGRAM (exec, same pid) bound to die with the process that started it. For

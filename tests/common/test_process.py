@@ -9,12 +9,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A parent that starts `sleep 600` through services.common.process and prints its pid.
+# A parent that starts `sleep 600` bound to itself and prints its pid.
 _PARENT = """
 import subprocess, sys, time
-from services.common.process import child_env
-argv = [sys.executable, "-m", "services.common.process", "sleep", "600"]
-child = subprocess.Popen(argv, env=child_env())
+from services.common.process import bound_to_parent, child_env
+child = subprocess.Popen(bound_to_parent(["sleep", "600"]), env=child_env())
 print(child.pid, flush=True)
 time.sleep(600)
 """

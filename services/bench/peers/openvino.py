@@ -18,6 +18,7 @@ from pathlib import Path
 
 from services.bench.datasets import BenchRequest
 from services.bench.peers.venv import PeerSpec, PeerVenv
+from services.common.process import bound_to_parent, child_env
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,11 @@ def ensure_exported(run: OpenVinoRun) -> Path:
     print(f"--- exporting {run.model_dir} to OpenVINO IR (log: {log_path})", flush=True)
     with log_path.open("w") as log:
         done = subprocess.run(
-            export_argv(run), env=_peer_env(), stdout=log, stderr=subprocess.STDOUT, check=False
+            bound_to_parent(export_argv(run)),
+            env=child_env(_peer_env()),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
         )
     if done.returncode != 0:
         raise RuntimeError(f"optimum-cli export openvino failed ({done.returncode}): {log_path}")
@@ -128,8 +133,8 @@ def run_openvino(run: OpenVinoRun, requests: list[BenchRequest]) -> dict:
     log_path = run.results_dir / "openvino-run.log"
     with log_path.open("w") as log:
         done = subprocess.run(
-            runner_argv(run, requests_path, out_path),
-            env=_peer_env(),
+            bound_to_parent(runner_argv(run, requests_path, out_path)),
+            env=child_env(_peer_env()),
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +28,7 @@ from pathlib import Path
 from services.bench.cpu import CpuMeter
 from services.bench.peers.venv import PeerSpec, PeerVenv
 from services.bench.run import Workload
-from services.common.process import child_env
+from services.common.process import bound_to_parent, child_env
 from services.common.redis_server import free_port
 
 logger = logging.getLogger(__name__)
@@ -234,8 +233,10 @@ def _bench(
     log_path = run.results_dir / f"vllm-bench-{name}.log"
     with log_path.open("w") as log:
         done = subprocess.run(
-            bench_argv(run, port, workload, f"vllm-{name}.json", served_model_name),
-            env=env,
+            bound_to_parent(
+                bench_argv(run, port, workload, f"vllm-{name}.json", served_model_name)
+            ),
+            env=child_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,
             check=False,
@@ -282,14 +283,9 @@ def serving(
     port = free_port()
     log_path = run.results_dir / ("vllm-serve-spec.log" if speculative_config else "vllm-serve.log")
     with log_path.open("w") as log:
-        # through services.common.process: a bench killed outright takes the server along
+        # bound to the bench: a bench killed outright takes the server along
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.common.process",
-                *serve_argv(run, port, speculative_config),
-            ],
+            bound_to_parent(serve_argv(run, port, speculative_config)),
             env=child_env(env),
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -925,12 +925,20 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos_t
 // block at a time"). A work item is one sequence with all its KV heads, or, when there are
 // fewer sequences than threads (one request), one (sequence, KV head), so its heads spread
 // over the threads. Both give the same bits: per (sequence, KV head) the same operations
-// in the same order. attention/csrc/paged_decode.cpp is the float32 kernel where this file
+// in the same order. head_dim 64 with up to 4 query heads per KV head (SmolLM2) runs vector
+// kernels, AVX-512 or AVX2; other shapes the plain loops. attention/csrc/paged_decode.cpp is the float32 kernel where this file
 // does not build; without this one a bfloat16 cache took torch's reference path.
 
 namespace {
 
 constexpr float kMinExponent = -30.f;
+
+// Whether the vector kernels ask for the next block a row at a time (see attend).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kPrefetchRows = true;
+#else
+constexpr bool kPrefetchRows = false;  // AVX-512: measured with whole blocks (prefetch_block)
+#endif
 
 template <typename T>
 inline float dot_widen(const float* a, const T* b, int64_t n) {
@@ -952,19 +960,28 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
-#ifdef __AVX512F__
+// Asks the cache for one row of 64 elements at p (a hint: never faults).
+template <typename T>
+inline void prefetch_row(const T* p) {
+  for (int64_t b = 0; b < 64 * int64_t(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+}
+
+#if defined(__AVX512F__)
 // head_dim 64 (SmolLM2), up to 4 query heads per KV head: the KV head's query rows (and
 // then its output rows) stay in registers while a block's rows stream past, each key and
 // value row loaded (and widened) once for all of them (the plain loops below re-read a row
 // for every query head and keep the output in memory). Rows are `stride` elements apart.
 template <int G, typename T>
 void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float scale,
-                float* scores, int64_t len) {  // query [G, 64] -> scores[g * len + t], t < n
+                float* scores, int64_t len, const T* next) {
+  // query [G, 64] -> scores[g * len + t], t < n; next: rows to ask the cache for, or null
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(query + g * 64 + c * 16);
   for (int64_t t = 0; t < n; ++t) {
     const T* key = k + t * stride;
+    if (next) prefetch_row(next + t * stride);
     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
                  k3 = load16(key + 48);
     for (int g = 0; g < G; ++g) {
@@ -977,12 +994,14 @@ void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float
 
 template <int G, typename T>
 void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float* out,
-                int64_t len) {  // out [G, 64] += sum over t < n of probs[g * len + t] v_t
+                int64_t len, const T* next) {
+  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next as in scores_d64
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(out + g * 64 + c * 16);
   for (int64_t t = 0; t < n; ++t) {
     const T* value = v + t * stride;
+    if (next) prefetch_row(next + t * stride);
     const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
                  v3 = load16(value + 48);
     for (int g = 0; g < G; ++g) {
@@ -997,6 +1016,86 @@ void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
 }
 
+#elif defined(__AVX2__)
+// The same for AVX2 (8 lanes, 16 registers): G query rows of 8 vectors do not fit in
+// registers beside a key row, so the query is read from L1 for each key row, and the lane
+// sums of 8 keys' partial products are summed together (`lane_sums`) instead of one
+// horizontal sum per score. Without these, the plain loops ran the attention at 4-7 GB/s,
+// a fifth of what an AVX2 EPYC reads (docs/performance.md, "Decode attention on AVX2").
+
+// out[i] = the sum of p[i]'s 8 lanes, i < 8.
+inline __m256 lane_sums(const __m256* p) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+  // a = [p0..p3 over lanes 0-3 | p0..p3 over lanes 4-7], b the same for p4..p7
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <int G, typename T>
+void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float scale,
+                float* scores, int64_t len, const T* next) {
+  // query [G, 64] -> scores[g * len + t], t < n; next: rows to ask the cache for, or null
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - t0);
+    __m256 part[G][8];
+    for (int64_t i = 0; i < m; ++i) {
+      const T* key = k + (t0 + i) * stride;
+      if (next) prefetch_row(next + (t0 + i) * stride);
+      __m256 kr[8];
+      for (int c = 0; c < 8; ++c) kr[c] = load8(key + c * 8);
+      for (int g = 0; g < G; ++g) {
+        const float* q = query + g * 64;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), kr[0]);
+        __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), kr[1]);
+        for (int c = 2; c < 8; c += 2) {
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 8), kr[c], a);
+          b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 8 + 8), kr[c + 1], b);
+        }
+        part[g][i] = _mm256_add_ps(a, b);
+      }
+    }
+    for (int64_t i = m; i < 8; ++i)
+      for (int g = 0; g < G; ++g) part[g][i] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const __m256 r = _mm256_mul_ps(s, lane_sums(part[g]));
+      if (m == 8) {
+        _mm256_storeu_ps(scores + g * len + t0, r);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, r);
+        std::copy(tail, tail + m, scores + g * len + t0);
+      }
+    }
+  }
+}
+
+template <int G, typename T>
+void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float* out,
+                int64_t len, const T* next) {
+  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next as in scores_d64
+  constexpr int C = 4;  // vectors of a row per pass: G x C accumulators in registers
+  for (int d0 = 0; d0 < 64; d0 += C * 8) {
+    __m256 acc[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_loadu_ps(out + g * 64 + d0 + c * 8);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* value = v + t * stride + d0;
+      if (next && d0 == 0) prefetch_row(next + t * stride);
+      __m256 vr[C];
+      for (int c = 0; c < C; ++c) vr[c] = load8(value + c * 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_broadcast_ss(probs + g * len + t);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + g * 64 + d0 + c * 8, acc[g][c]);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 template <typename F>
 void with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>), G = group <= 4
   switch (group) {
@@ -1030,22 +1129,30 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   const int64_t block_bytes = ctx.block_stride * static_cast<int64_t>(sizeof(T));
   auto block = [&](const T* cache, int64_t b) { return cache + table[b] * ctx.block_stride; };
   bool fast = false;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   fast = D == 64 && G <= 4;
 #endif
+  // The next block is asked for whole, before a block's work, or, by the AVX2 kernels, a
+  // row at a time as they go (`next`): on an AVX2 EPYC the spread requests took 0.76-0.93x
+  // the time of the whole-block burst (docs/performance.md, "Decode attention on AVX2").
+  const bool by_rows = fast && kPrefetchRows;
+  auto ahead = [&](const T* cache, int64_t b, int64_t kv) -> const T* {
+    return by_rows && b + 1 < num_used ? block(cache, b + 1) + kv * D : nullptr;
+  };
   scores.resize(heads * len);  // [heads, len]
   prefetch_block(block(k, 0), block_bytes);
   for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used) prefetch_block(block(k, b + 1), block_bytes);
+    if (b + 1 < num_used && !by_rows) prefetch_block(block(k, b + 1), block_bytes);
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(k, b) + kv * D;
       const float* q = query + (kv - kv_begin) * G * D;
       float* sc = scores.data() + (kv - kv_begin) * G * len + t0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
       if (fast) {
         with_group(G, [&](auto g) {
-          scores_d64<decltype(g)::value>(q, rows, n, ctx.token_stride, scale, sc, len);
+          scores_d64<decltype(g)::value>(q, rows, n, ctx.token_stride, scale, sc, len,
+                                         ahead(k, b, kv));
         });
         continue;
       }
@@ -1074,16 +1181,17 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   }
   std::fill(out, out + heads * D, 0.f);
   for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used) prefetch_block(block(v, b + 1), block_bytes);
+    if (b + 1 < num_used && !by_rows) prefetch_block(block(v, b + 1), block_bytes);
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(v, b) + kv * D;
       const float* probs = scores.data() + (kv - kv_begin) * G * len + t0;
       float* o = out + (kv - kv_begin) * G * D;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
       if (fast) {
         with_group(G, [&](auto g) {
-          values_d64<decltype(g)::value>(probs, rows, n, ctx.token_stride, o, len);
+          values_d64<decltype(g)::value>(probs, rows, n, ctx.token_stride, o, len,
+                                         ahead(v, b, kv));
         });
         continue;
       }

@@ -81,7 +81,7 @@ def main() -> None:
             for _ in range(args.rounds + 1):  # the first round warms up
                 for name, module in built.items():
                     start = time.perf_counter()
-                    for q, (k, v) in zip(queries, caches):
+                    for q, (k, v) in zip(queries, caches, strict=True):
                         outs[name] = module.decode_attention(q, k, v, tables, lens, scale)
                     times[name].append((time.perf_counter() - start) * 1e3)
             base = statistics.median(times["this checkout"][1:])

@@ -5,7 +5,8 @@ The loop, on one asyncio task:
     dispatch: while fewer than K steps are in flight, plan a step and send it to every stage
     wait:     for the last stage's report, a new request or an abort
     process:  append the tokens of every report waiting, persist them (one Redis round
-              trip), stream deltas to subscribers
+              trip, in a thread while the loop goes on planning), then stream the deltas
+              to subscribers
 
 In async mode K = 2P: step s+P of a micro-batch is planned and sent before step s has
 reported, so stage 0 finds its next plan waiting and takes the input tokens straight from
@@ -53,6 +54,7 @@ from services.scheduler.pipeline import (
 from services.scheduler.request import Request
 from services.scheduler.scheduler import PauseMode, Scheduler
 from services.scheduler.state import StateStore, TokenDelta
+from services.scheduler.updates import Batch
 from services.scheduler.validation import validate_submission
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,13 @@ class SchedulerService:
         self._tombstones = Tombstones()
         self._wake = asyncio.Event()
         self._inflight = 0
+        self._writer: asyncio.Task | None = None
+        """The write of processed steps in flight (`_write_behind`), or None."""
+        self._held: list[TokenDelta] = []
+        """Ends of streams (an abort, a failure) whose state change waits behind the write in
+        flight: published after the next write, not before the state they announce."""
+        self._write_failed = False
+        """The last write in the background failed: the loop writes the next itself."""
         self._task: asyncio.Task | None = None
         self._on_serving_change = None
         self.observer: SchedulerHooks | None = None
@@ -196,6 +205,8 @@ class SchedulerService:
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self._writer is not None:  # let the write in flight land
+            await asyncio.wait({self._writer}, timeout=5.0)
         if self.observer is not None:
             self.observer.close()
         if self.drafts is not None:
@@ -292,12 +303,8 @@ class SchedulerService:
             self.scheduler.abort_request(request_id)
         except UnknownRequest:
             return False
-        try:
-            self._publish(self.scheduler.outputs.flush())  # persists the abort now
-        except StateStoreError as exc:  # kept buffered; written with the next step
-            logger.warning("abort of %s not persisted yet: %s", request_id, exc)
         delta = TokenDelta(request_id, [], request.num_output_tokens, "abort", error=reason)
-        self._publish([delta])
+        self._persist_then_publish(delta, f"abort of {request_id}")
         self._wake.set()
         return True
 
@@ -423,8 +430,8 @@ class SchedulerService:
     async def _run(self) -> None:
         while True:
             try:
-                if self._store_failing_since is not None:
-                    self._flush_buffered()
+                if self._store_failing_since is not None or self._write_failed:
+                    await self._flush_now()
                 await self._dispatch()
                 self._note_quiet()
                 await self._wait_and_process()
@@ -490,7 +497,8 @@ class SchedulerService:
         else:
             item = reports.get_nowait()
         # Every report waiting is applied, then persisted in one round trip: a scheduler that
-        # falls behind catches up with one Redis write for several steps.
+        # falls behind catches up with one Redis write for several steps. The write runs in
+        # a thread while the loop plans and sends the next step.
         broken = None
         while True:
             try:
@@ -502,10 +510,10 @@ class SchedulerService:
                 break
             item = reports.get_nowait()
         if broken is None:
-            self._publish(self.scheduler.outputs.flush())
+            self._write_behind()
             return
         try:  # the steps that did report keep their tokens
-            self._publish(self.scheduler.outputs.flush())
+            await self._flush_now()
         except StateStoreError as exc:  # kept buffered; written with the next step
             logger.warning("tokens before the pipeline broke not persisted yet: %s", exc)
         raise broken
@@ -526,19 +534,76 @@ class SchedulerService:
             raise PipelineBroken(f"stage {item.stage} sent a malformed report: {exc}") from exc
         self.scheduler.apply_result(result, runs)
 
+    # ------------------------------------------------------------------ persisting
+    def _write_behind(self) -> None:
+        """Persists what the processed reports buffered in a thread, while the loop plans
+        and sends the next step (the Redis round trip is time the loop would otherwise
+        wait), and publishes the deltas once written: no client sees a token the store
+        lacks. One write at a time, so that a request's writes land in order: what is
+        buffered meanwhile goes with the next, which the write in flight starts as it ends."""
+        outputs = self.scheduler.outputs
+        if self._writer is not None or self._write_failed:
+            return
+        if not outputs.has_buffered() and not self._held:
+            return
+        batch = outputs.take()
+        held, self._held = self._held, []
+        self._writer = asyncio.create_task(self._write(batch, held), name="state-writer")
+
+    async def _write(self, batch: Batch, held: list[TokenDelta]) -> None:
+        outputs = self.scheduler.outputs
+        try:
+            if batch.updates:
+                await asyncio.to_thread(outputs.write, batch)
+        except Exception as exc:  # StoreLost too: the loop's own flush rewrites or retries
+            outputs.give_back(batch)
+            self._held[:0] = held
+            self._write_failed = True
+            if isinstance(exc, StateStoreError) and not isinstance(exc, StoreLost):
+                self._store_failed(exc)  # the outage counts from here for health
+            self._wake.set()
+            return
+        finally:
+            self._writer = None
+        self._publish(outputs.done(batch))
+        self._publish(held)
+        self._write_behind()
+
+    async def _flush_now(self) -> None:
+        """Persists what is buffered in the loop's thread, after the write in flight, and
+        publishes it. Raises `StateStoreError` (everything stays buffered)."""
+        while self._writer is not None:  # one may start the next as it ends
+            await asyncio.wait({self._writer})
+        self._write_failed = False
+        self._flush_buffered()
+
     def _flush_buffered(self) -> None:
         """While the store fails: send what is buffered again (even with no step left to
-        process, the last tokens of finished requests must reach their clients)."""
+        process, the last tokens of finished requests must reach their clients). Leaves it
+        to the write in flight, if any."""
+        if self._writer is not None:
+            return
         self._publish(self.scheduler.outputs.flush())
+        held, self._held = self._held, []
+        self._publish(held)
+
+    def _persist_then_publish(self, last: TokenDelta, what: str) -> None:
+        """Persists what is buffered now (`what` changed: an abort, a failure) and publishes
+        it, then `last`, the end of a stream. Behind a write in flight both wait for the
+        next write instead."""
+        if self._writer is not None:
+            self._held.append(last)
+            return
+        try:
+            self._flush_buffered()
+        except StateStoreError as exc:  # kept buffered; written with the next step
+            logger.warning("%s not persisted yet: %s", what, exc)
+        self._publish([last])
 
     def _publish_failure(self, request: Request, reason: str) -> None:
         """Ends a failed request's streams with finish reason `error` and the reason."""
-        try:
-            self._publish(self.scheduler.outputs.flush())  # persists the failure now
-        except StateStoreError as exc:  # kept buffered; written with the next step
-            logger.warning("failure of %s not persisted yet: %s", request.request_id, exc)
         delta = TokenDelta(request.request_id, [], request.num_output_tokens, "error", error=reason)
-        self._publish([delta])
+        self._persist_then_publish(delta, f"failure of {request.request_id}")
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -675,6 +740,8 @@ class SchedulerService:
                 if self._store_failing_since is not None:
                     self._flush_buffered()
             except StoreLost as exc:
+                if self.scheduler.outputs.is_writing:
+                    continue  # that write will find the loss itself, and the loop rewrite
                 try:
                     self.scheduler.outputs.rewrite(exc)
                 except StateStoreError as again:

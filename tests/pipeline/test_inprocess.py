@@ -8,6 +8,7 @@ finishes and aborts that free their KV blocks. Harness: tests/pipeline/utils.py.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -259,6 +260,51 @@ def test_pipeline_abort_mid_stream_frees_blocks_and_spares_the_others(
         assert outcome.token_ids == ref_tokens[i]
         assert outcome.finish_reason == "length"
     assert all("r0" not in runner.requests for runner in stack.runners)
+    assert_whole(stack)
+
+
+def test_an_abort_behind_a_write_in_flight_ends_the_stream_after_the_written_tokens(
+    model, redis_url, monkeypatch
+):
+    """The service writes a step's tokens in a thread while it plans the next. An abort
+    that comes while that write is held up waits for it: the client gets the written
+    tokens, then the abort, nothing skipped or repeated, and the store holds what the
+    client got, the abort last. The others are served as HF."""
+    model_dir, prompts, ref_tokens, _ = model
+    armed, gate, holding = threading.Event(), threading.Event(), threading.Event()
+
+    async def main():
+        async with InProcessStack(model_dir, 2, "async", redis_url) as stack:
+            apply = stack.store.apply
+
+            def held_apply(updates):  # the real write, once the test lets it go
+                is_r0 = any(u.request_id == "r0" for u in updates)
+                if is_r0 and armed.is_set() and not gate.is_set():
+                    holding.set()
+                    gate.wait(timeout=30)
+                apply(updates)
+
+            monkeypatch.setattr(stack.store, "apply", held_apply)
+            queues = [stack.submit(p, greedy(), f"r{i}")[1] for i, p in enumerate(prompts[:2])]
+            aborted = await stack.collect(queues[0], num_tokens=1)
+            armed.set()
+            while not holding.is_set():  # the next write of r0's tokens is held up
+                await asyncio.sleep(0.005)
+            assert stack.service.abort("r0")
+            assert queues[0].empty()  # not before the tokens being written
+            gate.set()
+            outcomes = await asyncio.gather(
+                stack.collect(queues[0], aborted), stack.collect(queues[1])
+            )
+            return stack, outcomes, stack.store.read_tokens("r0"), stack.store.read_state("r0")
+
+    stack, (aborted, other), logged_tokens, logged_state = asyncio.run(main())
+    assert aborted.finish_reason == "abort"
+    assert 1 < len(aborted.token_ids) < NUM_NEW
+    assert aborted.token_ids == ref_tokens[0][: len(aborted.token_ids)]
+    assert logged_tokens == aborted.token_ids
+    assert logged_state is RequestStatus.FINISHED_ABORTED
+    assert other.token_ids == ref_tokens[1] and other.finish_reason == "length"
     assert_whole(stack)
 
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -285,3 +286,67 @@ def test_store_keeps_every_eos_id_and_reads_records_with_one(store, redis_url):
     loaded = {r.request_id: r for r in store.load_unfinished()}
     assert loaded["many"].eos_token_ids == (2, 9)
     assert loaded["old"].eos_token_ids == (7,)
+
+
+def test_store_a_batch_written_in_a_thread_while_the_next_step_buffers(store):
+    """The service writes a step's batch in a thread while it processes the next: the
+    second batch goes after the first, each delta once, in order, and the id stays taken
+    while either is unwritten."""
+    scheduler = Scheduler(make_config(), store)
+    _running(scheduler, "a", 2)  # tokens 10, 11 written
+    outputs = scheduler.outputs
+    plan = scheduler.schedule()
+    scheduler.apply_result(StepResult(plan.step_id, ["a"], [12]))
+    batch = outputs.take()
+    writer = threading.Thread(target=outputs.write, args=(batch,))
+    writer.start()
+    plan = scheduler.schedule()  # the next step, meanwhile
+    scheduler.apply_result(StepResult(plan.step_id, ["a"], [13]))
+    writer.join()
+    assert outputs.is_writing and outputs.has_pending("a")
+    first = outputs.done(batch)
+    assert [(d.offset, d.token_ids) for d in first] == [(2, [12])]
+    assert store.read_tokens("a") == [10, 11, 12]
+    second = outputs.flush()
+    assert [(d.offset, d.token_ids) for d in second] == [(3, [13])]
+    assert store.read_tokens("a") == [10, 11, 12, 13]
+    assert not outputs.has_pending("a") and not outputs.pending_updates()
+
+
+def test_store_a_batch_given_back_goes_first_with_what_came_since(store):
+    """A write that failed puts its batch back in front of what was buffered meanwhile:
+    one delta per request, its tokens in order, the latest state on top (the abort; its
+    stream's last delta is the service's)."""
+    scheduler = Scheduler(make_config(), store)
+    _running(scheduler, "a", 1)
+    scheduler.add_request(make_request("b", 4, 32, ignore_eos=True))
+    outputs = scheduler.outputs
+    plan = scheduler.schedule()
+    scheduler.apply_result(StepResult(plan.step_id, ["a", "b"], [11, 20]))
+    batch = outputs.take()
+    plan = scheduler.schedule()
+    scheduler.apply_result(StepResult(plan.step_id, ["a", "b"], [12, 21]))
+    scheduler.abort_request("b")
+    outputs.give_back(batch)  # as after a refused write
+    assert not outputs.is_writing
+    deltas = {d.request_id: d for d in outputs.flush()}
+    assert (deltas["a"].offset, deltas["a"].token_ids) == (1, [11, 12])
+    assert (deltas["b"].offset, deltas["b"].token_ids) == (0, [20, 21])
+    assert store.read_tokens("a") == [10, 11, 12] and store.read_tokens("b") == [20, 21]
+    assert store.read_state("b") is RequestStatus.FINISHED_ABORTED
+
+
+def test_store_lost_under_a_batch_in_flight_is_rewritten_with_it(store, redis_url):
+    scheduler = Scheduler(make_config(), store)
+    _running(scheduler, "a", 2)
+    outputs = scheduler.outputs
+    plan = scheduler.schedule()
+    scheduler.apply_result(StepResult(plan.step_id, ["a"], [12]))
+    batch = outputs.take()
+    redis.Redis.from_url(redis_url).flushdb()  # Redis came back empty
+    with pytest.raises(StoreLost):
+        outputs.write(batch)
+    outputs.give_back(batch)
+    deltas = outputs.flush()  # notices again, rewrites from memory
+    assert [(d.offset, d.token_ids) for d in deltas] == [(2, [12])]
+    assert store.read_tokens("a") == [10, 11, 12]

@@ -933,11 +933,12 @@ namespace {
 
 constexpr float kMinExponent = -30.f;
 
-// Whether the vector kernels ask for the next block a row at a time (see attend).
-#if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr bool kPrefetchRows = true;
+// Whether the vector kernels ask for the current block's value rows (into L2) while they
+// read its key rows (see attend): measured on AVX-512 only.
+#if defined(__AVX512F__)
+constexpr bool kValuesEarly = true;
 #else
-constexpr bool kPrefetchRows = false;  // AVX-512: measured with whole blocks (prefetch_block)
+constexpr bool kValuesEarly = false;
 #endif
 
 template <typename T>
@@ -960,11 +961,20 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
-// Asks the cache for one row of 64 elements at p (a hint: never faults).
-template <typename T>
+// Asks the cache for one row of 64 elements at p (a hint: never faults); `Locality` 3 into
+// L1, 1 into L2.
+template <int Locality = 3, typename T>
 inline void prefetch_row(const T* p) {
   for (int64_t b = 0; b < 64 * int64_t(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, Locality);
+}
+
+// The rows the scores kernels ask for as they read key row t: the next block's key row
+// (into L1) and this block's value row (into L2), where given.
+template <typename T>
+inline void prefetch_rows(const T* next, const T* values, int64_t offset) {
+  if (next) prefetch_row(next + offset);
+  if (values) prefetch_row<1>(values + offset);
 }
 
 #if defined(__AVX512F__)
@@ -974,14 +984,15 @@ inline void prefetch_row(const T* p) {
 // for every query head and keep the output in memory). Rows are `stride` elements apart.
 template <int G, typename T>
 void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float scale,
-                float* scores, int64_t len, const T* next) {
-  // query [G, 64] -> scores[g * len + t], t < n; next: rows to ask the cache for, or null
+                float* scores, int64_t len, const T* next, const T* values) {
+  // query [G, 64] -> scores[g * len + t], t < n; next, values: rows to ask the cache for
+  // (prefetch_rows), or null
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(query + g * 64 + c * 16);
   for (int64_t t = 0; t < n; ++t) {
     const T* key = k + t * stride;
-    if (next) prefetch_row(next + t * stride);
+    prefetch_rows(next, values, t * stride);
     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
                  k3 = load16(key + 48);
     for (int g = 0; g < G; ++g) {
@@ -1033,15 +1044,15 @@ inline __m256 lane_sums(const __m256* p) {
 
 template <int G, typename T>
 void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float scale,
-                float* scores, int64_t len, const T* next) {
-  // query [G, 64] -> scores[g * len + t], t < n; next: rows to ask the cache for, or null
+                float* scores, int64_t len, const T* next, const T* values) {
+  // query [G, 64] -> scores[g * len + t], t < n; next, values as in the AVX-512 kernel
   const __m256 s = _mm256_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     const int64_t m = std::min<int64_t>(8, n - t0);
     __m256 part[G][8];
     for (int64_t i = 0; i < m; ++i) {
       const T* key = k + (t0 + i) * stride;
-      if (next) prefetch_row(next + (t0 + i) * stride);
+      prefetch_rows(next, values, (t0 + i) * stride);
       __m256 kr[8];
       for (int c = 0; c < 8; ++c) kr[c] = load8(key + c * 8);
       for (int g = 0; g < G; ++g) {
@@ -1132,10 +1143,13 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
 #if defined(__AVX512F__) || defined(__AVX2__)
   fast = D == 64 && G <= 4;
 #endif
-  // The next block is asked for whole, before a block's work, or, by the AVX2 kernels, a
-  // row at a time as they go (`next`): on an AVX2 EPYC the spread requests took 0.76-0.93x
-  // the time of the whole-block burst (docs/performance.md, "Decode attention on AVX2").
-  const bool by_rows = fast && kPrefetchRows;
+  // The plain loops ask for the next block whole, before a block's work; the vector kernels
+  // a row at a time as they go (`next`), and with AVX-512 the block's value rows too while
+  // they read its keys (`values`, into L2), so the values pass finds them there. The whole-
+  // block burst stalls while the core's miss queue drains: spread out, the requests took
+  // 0.76-0.93x the time on an AVX2 EPYC, 0.66-0.93x (with the values) on an AVX-512 one
+  // (docs/performance.md, "Decode attention on AVX2", "... on AVX-512, rows at a time").
+  const bool by_rows = fast, values_early = fast && kValuesEarly;
   auto ahead = [&](const T* cache, int64_t b, int64_t kv) -> const T* {
     return by_rows && b + 1 < num_used ? block(cache, b + 1) + kv * D : nullptr;
   };
@@ -1152,7 +1166,8 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
       if (fast) {
         with_group(G, [&](auto g) {
           scores_d64<decltype(g)::value>(q, rows, n, ctx.token_stride, scale, sc, len,
-                                         ahead(k, b, kv));
+                                         ahead(k, b, kv),
+                                         values_early ? block(v, b) + kv * D : nullptr);
         });
         continue;
       }
@@ -1162,7 +1177,7 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
           sc[g * len + t] = scale * dot_widen(q + g * D, rows + t * ctx.token_stride, D);
     }
   }
-  prefetch_block(block(v, 0), block_bytes);  // while the softmax runs
+  if (!values_early) prefetch_block(block(v, 0), block_bytes);  // while the softmax runs
   for (int64_t h = 0; h < heads; ++h) {
     float* sc = scores.data() + h * len;
     float max_score = sc[0];  // no infinities: the kernel is built with -ffast-math
@@ -1191,7 +1206,7 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
       if (fast) {
         with_group(G, [&](auto g) {
           values_d64<decltype(g)::value>(probs, rows, n, ctx.token_stride, o, len,
-                                         ahead(v, b, kv));
+                                         values_early ? nullptr : ahead(v, b, kv));
         });
         continue;
       }

@@ -155,7 +155,7 @@ def _profile(pid: int, args: argparse.Namespace) -> subprocess.Popen | None:
         return None
     py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
     return subprocess.Popen(
-        [py_spy, "record", "-p", str(pid), "-r", "250", "-d", str(int(args.seconds))]
+        [py_spy, "record", "-p", str(pid), "-r", "250", "--nonblocking", "-d", str(int(args.seconds))]
         + ["--format", "speedscope", "-o", args.py_spy],
         stdout=subprocess.DEVNULL,
     )

@@ -933,12 +933,15 @@ namespace {
 
 constexpr float kMinExponent = -30.f;
 
-// Whether the vector kernels ask for the current block's value rows (into L2) while they
-// read its key rows (see attend): measured on AVX-512 only.
+// Whether the vector kernels ask for the current block's value rows while they read its
+// key rows (see attend), and which cache their row requests fill (`prefetch_row`'s
+// Locality): measured on AVX-512 only (into L2: 0.7-0.9x the time of into L1 there).
 #if defined(__AVX512F__)
 constexpr bool kValuesEarly = true;
+constexpr int kRowLocality = 2;
 #else
 constexpr bool kValuesEarly = false;
+constexpr int kRowLocality = 3;
 #endif
 
 template <typename T>
@@ -962,19 +965,19 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 }
 
 // Asks the cache for one row of 64 elements at p (a hint: never faults); `Locality` 3 into
-// L1, 1 into L2.
+// L1, 2 and 1 into L2 (prefetcht1, prefetcht2).
 template <int Locality = 3, typename T>
 inline void prefetch_row(const T* p) {
   for (int64_t b = 0; b < 64 * int64_t(sizeof(T)); b += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, Locality);
 }
 
-// The rows the scores kernels ask for as they read key row t: the next block's key row
-// (into L1) and this block's value row (into L2), where given.
+// The rows the scores kernels ask for as they read key row t: the next block's key row and
+// this block's value row, where given.
 template <typename T>
 inline void prefetch_rows(const T* next, const T* values, int64_t offset) {
-  if (next) prefetch_row(next + offset);
-  if (values) prefetch_row<1>(values + offset);
+  if (next) prefetch_row<kRowLocality>(next + offset);
+  if (values) prefetch_row<kRowLocality>(values + offset);
 }
 
 #if defined(__AVX512F__)
@@ -1145,9 +1148,10 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
 #endif
   // The plain loops ask for the next block whole, before a block's work; the vector kernels
   // a row at a time as they go (`next`), and with AVX-512 the block's value rows too while
-  // they read its keys (`values`, into L2), so the values pass finds them there. The whole-
-  // block burst stalls while the core's miss queue drains: spread out, the requests took
-  // 0.76-0.93x the time on an AVX2 EPYC, 0.66-0.93x (with the values) on an AVX-512 one
+  // they read its keys (`values`), so the values pass finds them in L2 (where the AVX-512
+  // build sends its row requests: kRowLocality). The whole-block burst stalls while the
+  // core's miss queue drains: spread out, the requests took 0.76-0.93x the time on an AVX2
+  // EPYC, 0.66-0.93x (with the values) on an AVX-512 one, and into L2 0.7-0.9x that again
   // (docs/performance.md, "Decode attention on AVX2", "... on AVX-512, rows at a time").
   const bool by_rows = fast, values_early = fast && kValuesEarly;
   auto ahead = [&](const T* cache, int64_t b, int64_t kv) -> const T* {

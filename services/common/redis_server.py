@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,24 @@ def find_redis_server() -> str:
     )
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on `host` now, and never one this process handed out before. The caller
+    gives it to a child that binds it later, and the OS offers a port released a moment ago
+    again: without the memory, `conveyor up --pipelines 2` once gave two workers the same
+    port."""
+    with _handed_out_lock:
+        for _ in range(100):
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,46 @@
+"""`free_port`: a port is handed out once per process, even when the OS offers it again."""
+
+from __future__ import annotations
+
+import socket
+
+from services.common import redis_server
+from services.common.redis_server import free_port
+
+
+class _OfferedPorts:
+    """A socket whose bind to port 0 gets the next of `ports` (what the OS would offer)."""
+
+    def __init__(self, ports: list[int]):
+        self.ports = ports
+
+    def __call__(self, *args, **kwargs):
+        offered = self
+
+        class Sock:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def bind(self, address):
+                self.port = offered.ports.pop(0)
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+        return Sock()
+
+
+def test_a_port_offered_again_is_not_handed_out_twice(monkeypatch):
+    monkeypatch.setattr(redis_server, "_handed_out", set())
+    monkeypatch.setattr(redis_server.socket, "socket", _OfferedPorts([41000, 41000, 41000, 41001]))
+    assert [free_port(), free_port()] == [41000, 41001]
+
+
+def test_real_ports_are_distinct_and_bindable():
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))

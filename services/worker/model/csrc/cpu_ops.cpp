@@ -1153,14 +1153,14 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   // core's miss queue drains: spread out, the requests took 0.76-0.93x the time on an AVX2
   // EPYC, 0.66-0.93x (with the values) on an AVX-512 one, and into L2 0.7-0.9x that again
   // (docs/performance.md, "Decode attention on AVX2", "... on AVX-512, rows at a time").
-  const bool by_rows = fast, values_early = fast && kValuesEarly;
+  const bool values_early = fast && kValuesEarly;
   auto ahead = [&](const T* cache, int64_t b, int64_t kv) -> const T* {
-    return by_rows && b + 1 < num_used ? block(cache, b + 1) + kv * D : nullptr;
+    return fast && b + 1 < num_used ? block(cache, b + 1) + kv * D : nullptr;
   };
   scores.resize(heads * len);  // [heads, len]
   prefetch_block(block(k, 0), block_bytes);
   for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used && !by_rows) prefetch_block(block(k, b + 1), block_bytes);
+    if (b + 1 < num_used && !fast) prefetch_block(block(k, b + 1), block_bytes);
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(k, b) + kv * D;
@@ -1200,7 +1200,7 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   }
   std::fill(out, out + heads * D, 0.f);
   for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used && !by_rows) prefetch_block(block(v, b + 1), block_bytes);
+    if (b + 1 < num_used && !fast) prefetch_block(block(v, b + 1), block_bytes);
     const int64_t t0 = b * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(v, b) + kv * D;

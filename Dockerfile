@@ -61,7 +61,6 @@ RUN --mount=type=bind,target=/context \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY services ./services
-COPY kernels ./kernels
 RUN if [ -n "${CONVEYOR_EXTRAS}" ]; then pip install ".[${CONVEYOR_EXTRAS}]"; else pip install .; fi \
     && conveyor --help >/dev/null
 # Compile the CPU kernels now, so that CPU workers start without a build of up to a minute.

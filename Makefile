@@ -27,7 +27,7 @@ kernels: install
 test-compose: install
 	bash scripts/test-compose.sh
 
-LINT_PATHS := services kernels tests
+LINT_PATHS := services tests
 
 lint: install
 	$(PY) -m ruff format --check $(LINT_PATHS)

@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.reference import (
+from services.kernels.metadata import AttentionMetadata
+from services.kernels.reference import (
     fp8_linear_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
@@ -75,12 +75,12 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_correctness(device: str) -> list[str]:
     """Each kernel vs its reference on small-to-medium shapes; returns failure lines."""
-    from kernels.fp8_matmul import fp8_linear
-    from kernels.paged_attention import paged_attention
-    from kernels.reshape_and_cache import reshape_and_cache
-    from kernels.rms_norm import rms_norm
-    from kernels.rotary_embedding import rotary_embedding
-    from kernels.silu_and_mul import silu_and_mul
+    from services.kernels.fp8_matmul import fp8_linear
+    from services.kernels.paged_attention import paged_attention
+    from services.kernels.reshape_and_cache import reshape_and_cache
+    from services.kernels.rms_norm import rms_norm
+    from services.kernels.rotary_embedding import rotary_embedding
+    from services.kernels.silu_and_mul import silu_and_mul
 
     failures = []
 
@@ -165,7 +165,7 @@ def _bench_attention(seqs, num_q_heads, num_kv_heads, head_dim, dtype, device):
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from kernels.paged_attention import paged_attention
+    from services.kernels.paged_attention import paged_attention
 
     meta, k_cache, v_cache = make_batch(seqs, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(meta.num_tokens, num_q_heads, head_dim, device=device, dtype=dtype)
@@ -193,8 +193,8 @@ def time_pointwise(device: str) -> None:
     """Prints the small kernels vs their PyTorch references (bf16, 256 tokens)."""
     from triton.testing import do_bench
 
-    from kernels.rms_norm import rms_norm
-    from kernels.silu_and_mul import silu_and_mul
+    from services.kernels.rms_norm import rms_norm
+    from services.kernels.silu_and_mul import silu_and_mul
 
     dtype = torch.bfloat16
     x, res, w = (
@@ -229,7 +229,7 @@ def time_fp8(device: str) -> None:
     reads the weight once per step, so its target is half the bf16 time (issue 22)."""
     from triton.testing import do_bench
 
-    from kernels.fp8_matmul import fp8_linear
+    from services.kernels.fp8_matmul import fp8_linear
 
     print(f"\n  {'fp8 matmul (bf16 x)':34} {'fp8 us':>10} {'bf16 us':>10} {'ratio':>7}")
     for rows in (1, 16, 64, 512):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
 from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan
+from services.kernels.metadata import AttentionMetadata
 from services.worker.runner import StageRunner
 
 PROMPTS = (

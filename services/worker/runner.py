@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata
 from services.common.errors import UnknownRequest
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan, StepResult
+from services.kernels.metadata import AttentionMetadata
 from services.worker.block_tables import BlockTables
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCache, KVCacheSpec

@@ -168,7 +168,7 @@ def test_dockerfile_bakes_no_model_and_copies_only_what_pip_needs():
         w for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for w in line.split()[:-1]
     ]
     sources = [s.removeprefix("./") for s in sources]
-    assert set(sources) == {"pyproject.toml", "README.md", "services", "kernels"}
+    assert set(sources) == {"pyproject.toml", "README.md", "services"}
     assert "models" not in " ".join(sources)
     ignored = {
         line.strip()

@@ -22,13 +22,13 @@ import sys
 import pytest
 
 _KERNEL_MODULES = (
-    "kernels._checks",
-    "kernels.fp8_matmul",
-    "kernels.paged_attention",
-    "kernels.reshape_and_cache",
-    "kernels.rms_norm",
-    "kernels.rotary_embedding",
-    "kernels.silu_and_mul",
+    "services.kernels._checks",
+    "services.kernels.fp8_matmul",
+    "services.kernels.paged_attention",
+    "services.kernels.reshape_and_cache",
+    "services.kernels.rms_norm",
+    "services.kernels.rotary_embedding",
+    "services.kernels.silu_and_mul",
     "services.worker.attention.triton_backend",
 )
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_matmul import fp8_linear
-from kernels.reference import fp8_linear_ref
+from services.kernels.fp8_matmul import fp8_linear
+from services.kernels.reference import fp8_linear_ref
 from services.worker.model.quant import dequantize, quantize_fp8
 from tests.kernels.utils import TOLERANCES, randn
 

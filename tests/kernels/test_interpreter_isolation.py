@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kernels.paged_attention
-from kernels._checks import is_interpreted
+import services.kernels.paged_attention
+from services.kernels._checks import is_interpreted
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,8 +19,8 @@ runpy.run_path(sys.argv[1])  # the kernel tests' conftest
 assert "TRITON_INTERPRET" not in os.environ, "TRITON_INTERPRET leaked"
 os.environ["TRITON_INTERPRET"] = "1"  # what the autouse fixture does during a test
 import torch
-from kernels.rms_norm import rms_norm
-from kernels.reference import rms_norm_ref
+from services.kernels.rms_norm import rms_norm
+from services.kernels.reference import rms_norm_ref
 x, w = torch.randn(3, 16), torch.randn(16)
 torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 print("ok")
@@ -28,7 +28,7 @@ print("ok")
 
 
 def test_kernels_are_interpreted_during_tests():
-    assert is_interpreted(kernels.paged_attention._paged_attention_kernel)
+    assert is_interpreted(services.kernels.paged_attention._paged_attention_kernel)
     assert os.environ.get("TRITON_INTERPRET") == "1"  # set by the autouse fixture
 
 

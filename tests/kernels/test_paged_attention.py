@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import choose_num_splits, paged_attention
-from kernels.reference import paged_attention_ref
+from services.kernels.paged_attention import choose_num_splits, paged_attention
+from services.kernels.reference import paged_attention_ref
 from tests.kernels.utils import TOLERANCES, make_batch, randn
 
 MIXED = [(0, 6), (9, 1), (13, 7), (30, 1)]

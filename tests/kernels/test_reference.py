@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+from services.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from tests.kernels.utils import make_batch, randn
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import reshape_and_cache_ref
-from kernels.reshape_and_cache import reshape_and_cache
+from services.kernels.reference import reshape_and_cache_ref
+from services.kernels.reshape_and_cache import reshape_and_cache
 from tests.kernels.utils import randn
 
 

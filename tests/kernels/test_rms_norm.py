@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import rms_norm_ref
-from kernels.rms_norm import rms_norm
+from services.kernels.reference import rms_norm_ref
+from services.kernels.rms_norm import rms_norm
 from tests.kernels.utils import TOLERANCES, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

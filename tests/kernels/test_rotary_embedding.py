@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import rotary_embedding_ref
-from kernels.rotary_embedding import rotary_embedding
+from services.kernels.reference import rotary_embedding_ref
+from services.kernels.rotary_embedding import rotary_embedding
 from tests.kernels.utils import TOLERANCES, randn
 
 

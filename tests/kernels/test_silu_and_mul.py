@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import silu_and_mul_ref
-from kernels.silu_and_mul import silu_and_mul
+from services.kernels.reference import silu_and_mul_ref
+from services.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.utils import TOLERANCES, randn
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

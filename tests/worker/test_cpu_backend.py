@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 from services.worker import cpp_build
 from services.worker.attention import cpu_backend, torch_backend
 from services.worker.model import cpu_ops

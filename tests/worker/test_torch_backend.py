@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 from services.worker.attention.torch_backend import paged_attention_forward
 
 

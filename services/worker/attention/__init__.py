@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: the metadata and the backends (PyTorch, Triton)."""
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata"]

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
+from services.kernels.metadata import AttentionMetadata
 from services.worker.attention import torch_backend
 from services.worker.cpp_build import build_extension, source_copy
 

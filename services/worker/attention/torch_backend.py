@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 
 DecodeFn = Callable[..., torch.Tensor]
 """(q [B, Hq, D], k_cache, v_cache, block_tables [B, nb], seq_lens [B], scale) -> [B, Hq, D]"""

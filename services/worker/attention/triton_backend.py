@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention
-from kernels.reshape_and_cache import reshape_and_cache
+from services.kernels.metadata import AttentionMetadata
+from services.kernels.paged_attention import paged_attention
+from services.kernels.reshape_and_cache import reshape_and_cache
 
 
 def paged_attention_forward(

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.metadata import AttentionMetadata
 from services.common.errors import ConfigError
+from services.kernels.metadata import AttentionMetadata
 from services.worker.model import cpu_ops
 from services.worker.model.config import ModelConfig
 from services.worker.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope

@@ -132,7 +132,7 @@ class QuantLinear(nn.Module):
                 x.to(torch.bfloat16), self.qweight, self.scale_bf16
             ).to(x.dtype)
         elif self.method == "fp8" and x.device.type == "cuda":
-            from kernels.fp8_matmul import fp8_linear
+            from services.kernels.fp8_matmul import fp8_linear
 
             out = fp8_linear(x, self.qweight, self.scale)
         else:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata
 from services.common.step import StepPlan, StepResult
+from services.kernels.metadata import AttentionMetadata
 from services.worker.config import WorkerConfig
 from services.worker.model.config import ModelConfig
 from services.worker.model.stages import StageSpec, logits_layer_equivalents, stage_spec

@@ -9,7 +9,7 @@ end (it is constant along K):
 
     out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]
 
-Reference: `kernels.reference.fp8_linear_ref`.
+Reference: `services.kernels.reference.fp8_linear_ref`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, check_tensor, is_interpreted
+from services.kernels._checks import check_device, check_tensor, is_interpreted
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 

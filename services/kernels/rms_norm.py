@@ -3,7 +3,7 @@
     residual' = x + residual                   (rounded to x's dtype, as the model adds)
     normed    = weight * to_dtype(residual' * rsqrt(mean(residual'^2) + eps))   (fp32 inside)
 
-Reference: `kernels.reference.rms_norm_ref`.
+Reference: `services.kernels.reference.rms_norm_ref`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, check_same_dtype, check_tensor, next_power_of_2
+from services.kernels._checks import check_device, check_same_dtype, check_tensor, next_power_of_2
 
 
 @triton.jit

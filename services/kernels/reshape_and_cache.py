@@ -3,7 +3,7 @@
 Slot s of a cache [num_blocks, block_size, Hkv, D] is block s // block_size, offset
 s % block_size. A negative slot marks a padding row: nothing is written for it.
 
-Reference: `kernels.reference.reshape_and_cache_ref`.
+Reference: `services.kernels.reference.reshape_and_cache_ref`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, check_same_dtype, check_tensor, next_power_of_2
+from services.kernels._checks import check_device, check_same_dtype, check_tensor, next_power_of_2
 
 
 @triton.jit

@@ -17,7 +17,7 @@ GPU, the key range of every tile is cut into NUM_SPLITS contiguous parts run by 
 programs; each writes its normalised partial output and log-sum-exp, and `_combine_kernel`
 merges them:  out = sum_j exp(lse_j - max lse) * o_j / sum_j exp(lse_j - max lse).
 
-Reference: `kernels.reference.paged_attention_ref`.
+Reference: `services.kernels.reference.paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from services.kernels._checks import (
     check_device,
     check_same_dtype,
     check_tensor,
     is_interpreted,
     next_power_of_2,
 )
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -1,6 +1,6 @@
 """SwiGLU activation of the Llama MLP: silu(gate) * up from the fused gate_up projection.
 
-Reference: `kernels.reference.silu_and_mul_ref`.
+Reference: `services.kernels.reference.silu_and_mul_ref`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, check_tensor, next_power_of_2
+from services.kernels._checks import check_device, check_tensor, next_power_of_2
 
 
 @triton.jit

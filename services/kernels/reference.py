@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from services.kernels.metadata import AttentionMetadata
 
 
 def paged_attention_ref(

@@ -8,7 +8,7 @@ cos_sin_cache[p] = [cos(p * f) | sin(p * f)] (f: the D/2 inverse frequencies):
 The cache is precomputed (e.g. with llama3 frequency scaling), so the kernel knows no
 scaling rules. Math in fp32, one rounding to the input dtype.
 
-Reference: `kernels.reference.rotary_embedding_ref`.
+Reference: `services.kernels.reference.rotary_embedding_ref`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_device, check_tensor, next_power_of_2
+from services.kernels._checks import check_device, check_tensor, next_power_of_2
 
 
 @triton.jit

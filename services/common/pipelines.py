@@ -4,8 +4,9 @@ Every scheduler started with --pipeline-id writes, every `announce_interval_s`, 
 with a TTL (`--announce-ttl`)::
 
     conveyor:pipelines             set   ids of the pipelines announced (until adopted)
-    conveyor:pipeline:<id>         hash  address, serving (1/0), not_serving_since (Redis
-                                         TIME, s), num_waiting, num_running, kv_usage,
+    conveyor:pipeline:<id>         hash  address, serving (1/0), announced_at and
+                                         not_serving_since (Redis TIME, s), num_waiting,
+                                         num_running, kv_usage,
                                          block_size, cache_epoch, hit/queried token counters,
                                          prefixes: the chain hashes of its most recently cached
                                          KV blocks, packed little-endian int64, at most
@@ -60,6 +61,8 @@ class Announcement:
     num_prefix_hit_tokens: int = 0
     prefix_hashes: frozenset[int] = field(default_factory=frozenset)
     """Chain hashes of blocks its prefix cache holds (services/common/prefix_hash.py)."""
+    age_s: float = 0.0
+    """Seconds from its writing to its reading, by Redis' clock (`read_announcements`)."""
 
     def to_fields(self) -> dict[str, str | bytes]:
         """The hash fields (serving and not_serving_since are the announce script's)."""
@@ -120,14 +123,19 @@ def read_announcements(client) -> list[Announcement]:
     if not ids:
         return []
     pipe = client.pipeline(transaction=False)
+    pipe.time()
     for pipeline_id in ids:
         pipe.hgetall(announcement_key(pipeline_id))
+    (seconds, micros), *replies = pipe.execute()
+    now = seconds + micros / 1e6
     found = []
-    for pipeline_id, fields in zip(ids, pipe.execute(), strict=True):
+    for pipeline_id, fields in zip(ids, replies, strict=True):
         if not fields:
             continue  # expired: lost (its requests are adopted) or not started yet
         try:
-            found.append(Announcement.from_fields(pipeline_id, fields))
+            ann = Announcement.from_fields(pipeline_id, fields)
+            ann.age_s = max(0.0, now - float(fields.get(b"announced_at") or now))
         except (KeyError, ValueError):
             continue
+        found.append(ann)
     return found

@@ -129,7 +129,7 @@ class SchedulerPool:
             view = pipeline.view
             if not pipeline.is_static:
                 view.serving = ann.serving
-            view.num_queued = ann.num_waiting + ann.num_running
+            view.announced(ann.num_waiting + ann.num_running, time.monotonic() - ann.age_s)
             view.block_size, view.cache_epoch = ann.block_size, ann.cache_epoch
             view.prefix_hashes = ann.prefix_hashes
         for address, pipeline in self.pipelines.items():
@@ -235,6 +235,7 @@ class SchedulerPool:
         message the resume already read from `call`."""
         self._owners[key] = pipeline.view.key
         pipeline.view.num_inflight += 1
+        opened = time.monotonic()
         is_counted = True  # counted in `pipeline`'s open streams
         is_done = False
         try:
@@ -262,17 +263,18 @@ class SchedulerPool:
                     ):
                         raise scheduler_error(exc) from exc
                     call.cancel()
-                    pipeline.view.num_inflight -= 1
+                    pipeline.view.stream_ended(opened, time.monotonic())
                     is_counted = False
                     resumer.failed = pipeline
                     pipeline, call, pending = await resumer.resume(next_offset, exc, has_output)
                     pipeline.view.num_inflight += 1
+                    opened = time.monotonic()
                     is_counted = True
                     self._owners[key] = pipeline.view.key
         finally:
             call.cancel()
             if is_counted:
-                pipeline.view.num_inflight -= 1
+                pipeline.view.stream_ended(opened, time.monotonic())
             if is_done:
                 self._owners.pop(key, None)
 

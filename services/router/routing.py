@@ -9,7 +9,8 @@ prefix (the default) picks the pipeline of least cost, with `w` = `--routing-loa
     cost(p) = uncached_blocks(p) + w * load(p)
     uncached_blocks(p) = prompt blocks - longest run of the prompt's chain hashes, from the
                          first block on, that p holds (a chain hash names the whole prefix)
-    load(p) = max(this router's open streams on p, p's announced running + waiting)
+    load(p) = max(this router's open streams on p, p's announced running + waiting less this
+                  router's streams on p that have ended since that announcement was written)
 
 so a prompt whose prefix one pipeline holds goes there until that pipeline's extra load
 costs more than recomputing the prefix elsewhere would: one hot prefix spills over instead of
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,13 +52,35 @@ class PipelineView:
     """This router's open streams on it."""
     num_queued: int = 0
     """Running + waiting, as its scheduler last announced."""
+    queued_at: float = 0.0
+    """When that announcement was written, on this router's clock."""
     block_size: int = 0
     cache_epoch: int = 0
     prefix_hashes: frozenset[int] = field(default_factory=frozenset)
+    ended: deque[tuple[float, float]] = field(default_factory=deque)
+    """(opened, ended) of this router's streams on it that ended after `queued_at`."""
+    num_ended_queued: int = 0
+    """Of those, the ones opened before `queued_at`: counted in `num_queued`, gone since."""
 
     @property
     def load(self) -> int:
-        return max(self.num_inflight, self.num_queued)
+        """Streams it runs: the announced queue (which lags by up to a second or two) less
+        this router's streams that have ended since, and never below this router's own."""
+        return max(self.num_inflight, self.num_queued - self.num_ended_queued)
+
+    def announced(self, num_queued: int, written_at: float) -> None:
+        """Its scheduler's latest announcement, written at `written_at` (this router's clock)."""
+        self.num_queued, self.queued_at = num_queued, written_at
+        while self.ended and self.ended[0][1] <= written_at:
+            self.ended.popleft()
+        self.num_ended_queued = sum(1 for opened, _ in self.ended if opened <= written_at)
+
+    def stream_ended(self, opened: float, now: float) -> None:
+        """One of this router's streams on it, opened at `opened`, ended (or moved away)."""
+        self.num_inflight -= 1
+        self.ended.append((opened, now))
+        if opened <= self.queued_at:
+            self.num_ended_queued += 1
 
 
 class LocalPrefixIndex:

@@ -2,8 +2,9 @@
 of a pipeline lost for good (docs/scale-out.md).
 
 Announce (one Lua call every interval): the announcement hash of services/common/pipelines.py
-with a TTL; `not_serving_since` is stamped with Redis' own clock the first time the pipeline
-says NOT_SERVING, so that every scheduler judges the grace period by one clock.
+with a TTL; `announced_at` is stamped with Redis' own clock, and `not_serving_since` too the
+first time the pipeline says NOT_SERVING, so that every scheduler judges the grace period (and
+every router an announcement's age) by one clock.
 
 Adopt (one Lua call, atomic): a pipeline is lost when its announcement expired (its scheduler
 is gone) or it has said NOT_SERVING for longer than `grace_s` (its stages are). The script
@@ -36,15 +37,16 @@ logger = logging.getLogger(__name__)
 # KEYS: announcement, pipelines set. ARGV: id, serving (1/0), ttl ms, field, value, ...
 _ANNOUNCE_SCRIPT = """
 local key = KEYS[1]
+local t = redis.call('TIME')
+local now = tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6)
 if ARGV[2] == '1' then
-  redis.call('HSET', key, 'serving', '1', 'not_serving_since', '')
+  redis.call('HSET', key, 'serving', '1', 'not_serving_since', '', 'announced_at', now)
 else
   local since = redis.call('HGET', key, 'not_serving_since')
   if not since or since == '' then
-    local t = redis.call('TIME')
-    since = tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6)
+    since = now
   end
-  redis.call('HSET', key, 'serving', '0', 'not_serving_since', since)
+  redis.call('HSET', key, 'serving', '0', 'not_serving_since', since, 'announced_at', now)
 end
 for i = 4, #ARGV, 2 do
   redis.call('HSET', key, ARGV[i], ARGV[i + 1])

@@ -41,6 +41,45 @@ def test_least_load_picks_the_emptiest():
     assert router.choose(pool, [1, 2], SALT).key == "c"
 
 
+def test_announced_queue_less_this_routers_streams_ended_since():
+    """The announcement lags: a stream of this router that was in the announced queue and
+    has ended since no longer weighs on the pipeline; one opened after it never did."""
+    view = PipelineView("a", serving=True)
+    view.num_inflight = 2  # opened at 1.0 and 3.0
+    view.announced(num_queued=5, written_at=2.0)  # counts the first, not the second
+    assert view.load == 5
+    view.stream_ended(opened=1.0, now=4.0)
+    assert view.load == 4
+    view.stream_ended(opened=3.0, now=4.5)  # not in the announced queue: nothing to take off
+    assert view.load == 4
+    view.announced(num_queued=3, written_at=4.2)  # after the first ended, the second ran
+    assert view.load == 2
+    view.announced(num_queued=1, written_at=5.0)  # written after both ended
+    assert view.load == 1 and not view.ended
+
+
+def test_stale_queue_does_not_steer_new_prompts_of_one_client():
+    """One client's prompts one after the other, each ended before the next: `a` announced
+    its queue once, while its first stream ran, and not since (announcements lag by up to a
+    second or two); `b` announces after each stream. New prefixes still alternate: counting
+    `a`'s ended stream as queued would send every later prompt to `b`, whose prefix cache
+    would then evict what it holds."""
+    router = Router("prefix")
+    a, b, _ = pool = views(c={"serving": False})
+    picked = []
+    for i in range(6):
+        opened = 10.0 * i
+        view = router.choose(pool, list(range(100 * i, 100 * i + 40)), SALT)
+        picked.append(view.key)
+        view.num_inflight += 1
+        if i == 0:
+            view.announced(num_queued=1, written_at=opened + 1.0)
+        view.stream_ended(opened, now=opened + 2.0)
+        if view is b:
+            view.announced(num_queued=0, written_at=opened + 3.0)
+    assert picked == ["a", "b"] * 3
+
+
 def test_prefix_hashes_equal_the_scheduler_cache():
     """The router's hashes of a prompt are the ones the scheduler's cache registers."""
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks, the walk looks at 5

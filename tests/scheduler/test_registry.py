@@ -46,6 +46,18 @@ def test_announcement_round_trips_with_its_prefix_hashes(redis_url, client):
     (ann,) = read_announcements(client)
     assert (ann.pipeline_id, ann.serving, ann.num_waiting, ann.kv_usage) == ("p0", True, 3, 0.25)
     assert ann.prefix_hashes == {-5, 2**62} and ann.block_size == 16
+    assert 0.0 <= ann.age_s < 60.0
+
+
+def test_announcement_age_is_read_by_redis_clock(redis_url, client):
+    """A router learns how old an announcement is (Redis' clock stamps and reads it), so it
+    can tell which of its own streams ended after the announced queue was counted."""
+    announce(PipelineRegistry(redis_url, "p0"), True)
+    (fresh,) = read_announcements(client)
+    (seconds, micros) = client.time()
+    client.hset("conveyor:pipeline:p0", "announced_at", repr(seconds + micros / 1e6 - 7.0))
+    (old,) = read_announcements(client)
+    assert fresh.age_s < 7.0 <= old.age_s < 60.0
 
 
 def test_each_pipeline_recovers_only_its_own_requests(redis_url, client):

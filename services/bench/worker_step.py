@@ -89,7 +89,7 @@ def ours_decode(runner: StageRunner, batch: int) -> list[tuple]:
 
     rewind()
     states = list(runner.requests.values())
-    meta, input_ids = runner._prepare(ScheduledBatch(states, [1] * batch))
+    meta, input_ids = runner._prepare(ScheduledBatch(states, [1] * batch, [[]] * batch))
 
     @torch.inference_mode()
     def forward() -> None:

@@ -33,6 +33,8 @@ LOCAL_TTL_S = 30.0
 """How long this router trusts its own record of a prefix it sent to a pipeline."""
 LOCAL_MAX_ENTRIES = 50_000
 """(pipeline, block hash) pairs remembered: ~100 bytes each."""
+ENDED_HORIZON_S = 60.0
+"""How long this router remembers a stream that ended, for the load of a lagging announcement."""
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -76,11 +78,16 @@ class PipelineView:
         self.num_ended_queued = sum(1 for opened, _ in self.ended if opened <= written_at)
 
     def stream_ended(self, opened: float, now: float) -> None:
-        """One of this router's streams on it, opened at `opened`, ended (or moved away)."""
+        """One of this router's streams on it, opened at `opened`, ended (or moved away).
+        Remembered for ENDED_HORIZON_S at most: no announcement read is older (they expire
+        after `--announce-ttl`), and a pipeline that announces nothing keeps no record."""
         self.num_inflight -= 1
         self.ended.append((opened, now))
         if opened <= self.queued_at:
             self.num_ended_queued += 1
+        while self.ended[0][1] < now - ENDED_HORIZON_S:
+            opened, _ = self.ended.popleft()
+            self.num_ended_queued -= opened <= self.queued_at
 
 
 class LocalPrefixIndex:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.prefix_hash import prompt_block_hashes
-from services.router.routing import PipelineView, Router
+from services.router.routing import ENDED_HORIZON_S, PipelineView, Router
 from services.scheduler.block_manager import BlockManager
 
 SALT = "tenant:default"
@@ -56,6 +56,17 @@ def test_announced_queue_less_this_routers_streams_ended_since():
     assert view.load == 2
     view.announced(num_queued=1, written_at=5.0)  # written after both ended
     assert view.load == 1 and not view.ended
+
+
+def test_ended_streams_are_forgotten_past_the_horizon():
+    """A pipeline that never announces (a static --schedulers one) keeps no growing record."""
+    view = PipelineView("a", serving=True)
+    for i in range(1000):
+        view.num_inflight += 1
+        view.stream_ended(opened=float(i), now=i + 0.5)
+    assert len(view.ended) <= ENDED_HORIZON_S + 1 and view.num_ended_queued == 0
+    view.announced(num_queued=3, written_at=998.0)  # counts the streams open at 998
+    assert view.load == 3 - 1  # the one opened at 998 ended at 998.5
 
 
 def test_stale_queue_does_not_steer_new_prompts_of_one_client():

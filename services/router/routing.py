@@ -86,8 +86,9 @@ class PipelineView:
         if opened <= self.queued_at:
             self.num_ended_queued += 1
         while self.ended[0][1] < now - ENDED_HORIZON_S:
-            opened, _ = self.ended.popleft()
-            self.num_ended_queued -= opened <= self.queued_at
+            forgotten, _ = self.ended.popleft()
+            if forgotten <= self.queued_at:
+                self.num_ended_queued -= 1
 
 
 class LocalPrefixIndex:

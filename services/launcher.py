@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.common.affinity import available_cpus, default_threads, stage_cpus
 from services.common.config import default_of
@@ -589,6 +590,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a Chrome/Perfetto trace of the pipeline to FILE on stop",
     )
     parser.add_argument(
+        "--record-plans",
+        default=None,
+        metavar="DIR",
+        help="each worker writes the plans it receives to DIR/stage<S>.plans (p<N>-stage<S> "
+        "with --pipelines, .<rank> with tensor parallelism), to run them again alone with "
+        "`python -m services.bench.replay_plans` (default: off)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -762,6 +771,10 @@ def _spawn_pipeline(
             argv += ["--quantization-ignore", args.quantization_ignore]
         if pinned:
             argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
+        if getattr(args, "record_plans", None):
+            Path(args.record_plans).mkdir(parents=True, exist_ok=True)
+            file = f"{name}-" * bool(name) + f"stage{stage}" + f".{tp_rank}" * (tp_size > 1)
+            argv += ["--record-plans", str(Path(args.record_plans) / f"{file}.plans")]
         argv += _device_args(args)
         argv += _observability_args(args, 2 + rank + index * (1 + num_ranks))
         label = f"worker {stage}" + (f".{tp_rank}" if tp_size > 1 else "")

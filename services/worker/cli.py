@@ -120,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded random sampling")
     parser.add_argument(
+        "--record-plans",
+        default=None,
+        metavar="FILE",
+        help="write every plan this stage receives to FILE, to run them again alone with "
+        "`python -m services.bench.replay_plans FILE` (default: off)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -236,6 +243,7 @@ def build_config(args: argparse.Namespace):
         sim_link_latency=args.sim_link_latency,
         sim_tensor_parallel_size=args.sim_tensor_parallel_size,
         is_draft=args.draft,
+        record_plans=args.record_plans,
     )
 
 

@@ -125,6 +125,8 @@ class WorkerConfig:
     """`--sim-tensor-parallel-size`, device sim: modeled TP ranks per stage (weights, FLOPs
     and KV split over them, plus an all-reduce per attention and MLP block)."""
     is_draft: bool = False
+    record_plans: str | None = None
+    """`--record-plans FILE`: write every plan this stage receives there (plan_record.py)."""
     """`--draft`: serve the whole model as the draft worker of speculative decoding (the
     DraftWorker service, docs/speculative-decoding.md), not a pipeline stage."""
 

@@ -15,6 +15,7 @@ from services.common.security import require_admin
 from services.common.serving import GrpcServer
 from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
+from services.worker.plan_record import PlanRecorder
 from services.worker.runner import StageRunner
 from services.worker.threads import run_in_own_thread
 from services.worker.weight_updates import WeightUpdates
@@ -78,6 +79,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self._session_lock = asyncio.Lock()
         self.observer: StepHooks | None = None
         """Step metrics and spans, or None: no hook runs."""
+        self.recorder: PlanRecorder | None = None
+        """`--record-plans`: where every plan received is written, or None."""
 
     def set_engine(self, engine: StageEngine, eos_token_ids: list[int], max_model_len: int) -> None:
         self.engine = engine
@@ -165,6 +168,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             metadata = dict(context.invocation_metadata() or ())
             epoch = int(metadata.get("conveyor-epoch", "0"))
             self.engine.start(on_outcome, epoch)
+            if self.recorder is not None:
+                self.recorder.session_started()
             reader = asyncio.create_task(self._read_plans(request_iterator, reports))
             try:
                 # One await per report: the loop thread holds the GIL briefly, and the compute
@@ -231,6 +236,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     last_step_id = plan.step_id
                     if observer is not None:
                         observer.on_plan(plan)
+                    if self.recorder is not None:
+                        self.recorder.plan(plan)
                     self.engine.submit(step, plan.tokens_from_last_stage)
         finally:
             reports.put_nowait(None)  # the scheduler closed the stream (or it broke)
@@ -285,6 +292,8 @@ async def serve(config: WorkerConfig) -> None:
         config.tensor_parallel_size,
     )
     servicer.authenticator = server.security.authenticator
+    if config.record_plans:
+        servicer.recorder = PlanRecorder(config.record_plans, config)
     server.add(worker_pb2_grpc.add_StageWorkerServicer_to_server, servicer)
     close_observers = install_observers(
         servicer, config.stage_index, config.metrics_port, config.otlp_endpoint
@@ -327,3 +336,5 @@ async def serve(config: WorkerConfig) -> None:
     await server.wait_for_stop()
     await server.stop(grace_s=5)
     close_observers()
+    if servicer.recorder is not None:
+        servicer.recorder.close()

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 from services.bench.plot import plot_trace
+from services.bench.replay_plans import replay, stack_times
 from services.cli import main
 from services.launcher import wait_serving
 from services.models.tiny import make_tiny_model
+from services.worker.plan_record import read_header, runner_config
+from services.worker.runner import StageRunner
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +46,9 @@ RESULT_KEYS = {
 
 @pytest.fixture
 def tiny_stack(tmp_path):
-    """`conveyor up` of a tiny model, 2 stages async with --timeline; (router, scheduler,
-    trace path, process, HTTP API), stopped at the end."""
+    """`conveyor up` of a tiny model, 2 stages async with --timeline and --record-plans
+    (tmp_path / "plans"); (router, scheduler, trace path, process, HTTP API), stopped at the
+    end."""
     model = make_tiny_model(tmp_path / "tiny")
     port, scheduler_port, http_port = free_port(), free_port(), free_port()
     trace = tmp_path / "trace.json"
@@ -70,6 +74,8 @@ def tiny_stack(tmp_path):
         "32MiB",
         "--timeline",
         str(trace),
+        "--record-plans",
+        str(tmp_path / "plans"),
     ]
     proc = subprocess.Popen(
         argv,
@@ -145,6 +151,16 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
     log = (tmp_path / "up.log").read_text()[-5000:]  # the stop's order, the scheduler's warnings
     assert trace.exists(), f"conveyor up --timeline wrote no trace on SIGTERM; its log:\n{log}"
     assert plot_trace(trace, tmp_path / "bubble.png").stat().st_size > 0
+
+    # each stage's recorded plans run again alone, every step of the trace among them
+    for stage in (0, 1):
+        recording = tmp_path / "plans" / f"stage{stage}.plans"
+        runner = StageRunner.from_config(runner_config(read_header(recording)))
+        assert runner.model.stage.stage_index == stage
+        replayed = replay(runner, recording).times
+        assert sum(map(len, replayed.values())) >= 16  # two bursts of 8 prompts, 8 tokens
+        for kind, steps in stack_times(trace, stage).items():
+            assert len(replayed[kind]) >= len(steps)
 
 
 def _children(pid: int) -> list[int]:

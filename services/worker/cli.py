@@ -123,8 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--record-plans",
         default=None,
         metavar="FILE",
-        help="write every plan this stage receives to FILE, to run them again alone with "
-        "`python -m services.bench.replay_plans FILE` (default: off)",
+        help="write every plan this stage receives (the prompts' token ids among them) to "
+        "FILE, to run them again alone with `python -m services.bench.replay_plans FILE` "
+        "(default: off)",
     )
     parser.add_argument(
         "--metrics-port",

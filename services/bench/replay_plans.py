@@ -49,7 +49,7 @@ def replay(runner, recording: Path) -> Replay:
 
     stage = runner.model.stage
     hidden_size = runner.model.config.hidden_size
-    dtype = next(runner.model.parameters()).dtype
+    weight = next(runner.model.parameters())
     times: dict[StepKind, list[float]] = collections.defaultdict(list)
     checks = stage.is_first and stage.is_last  # elsewhere the inputs are made up
     sampled: dict[str, int] = {}  # request -> the token its last step sampled
@@ -68,7 +68,9 @@ def replay(runner, recording: Path) -> Replay:
                     mismatches += cached.new_token_ids[-1] != expected
             hidden_in, inputs = None, None
             if not stage.is_first and plan.num_requests:
-                hidden_in = torch.zeros(plan.num_scheduled_tokens, hidden_size, dtype=dtype)
+                hidden_in = torch.zeros(
+                    plan.num_scheduled_tokens, hidden_size, dtype=weight.dtype, device=weight.device
+                )
             if stage.is_first and msg.tokens_from_last_stage and stage.num_stages > 1:
                 inputs = {
                     c.request_id: 0
@@ -78,6 +80,8 @@ def replay(runner, recording: Path) -> Replay:
                 }
             start = time.perf_counter()
             out = runner.execute(plan, hidden_in=hidden_in, input_token_ids=inputs)
+            if weight.is_cuda:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             if plan.num_requests:
                 times[(plan.num_requests, plan.num_scheduled_tokens)].append(elapsed)

@@ -727,6 +727,8 @@ def _spawn_pipeline(
     tp_size = getattr(args, "tensor_parallel_size", 1)
     num_ranks = args.stages * tp_size
     name = f"p{index}" if num_pipelines > 1 else ""
+    if getattr(args, "record_plans", None):
+        Path(args.record_plans).mkdir(parents=True, exist_ok=True)
     dist_addr = f"{INTERNAL_HOST}:{free_port()}"
     worker_addrs = []
     for rank in range(num_ranks):  # stage-major: the order --workers wants
@@ -772,8 +774,9 @@ def _spawn_pipeline(
         if pinned:
             argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
         if getattr(args, "record_plans", None):
-            Path(args.record_plans).mkdir(parents=True, exist_ok=True)
-            file = f"{name}-" * bool(name) + f"stage{stage}" + f".{tp_rank}" * (tp_size > 1)
+            file = f"{name}-stage{stage}" if name else f"stage{stage}"
+            if tp_size > 1:
+                file += f".{tp_rank}"
             argv += ["--record-plans", str(Path(args.record_plans) / f"{file}.plans")]
         argv += _device_args(args)
         argv += _observability_args(args, 2 + rank + index * (1 + num_ranks))

@@ -96,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many requests in flight (default: no limit)",
     )
     parser.add_argument(
+        "--release-at-once",
+        action="store_true",
+        help="hold the burst in the scheduler's queue (Pause) until every request is there, "
+        "then release it (Unpause): the run and each request's times count from the release, "
+        "so the client's sending speed does not shape the burst. Needs --scheduler with its "
+        "admin access, one pipeline, and no --request-rate (default: off)",
+    )
+    parser.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -294,6 +302,11 @@ def _check_peer_flags(args: argparse.Namespace) -> None:
         raise SystemExit("--peers runs on the CPU: leave out --device sim")
     if args.calibration and not (args.compare and args.device == "sim"):
         raise SystemExit("--calibration goes with --compare --device sim")
+    if args.release_at_once and args.compare:
+        raise SystemExit(
+            "--release-at-once is for one run against a stack; --compare --device sim holds "
+            "its bursts this way always, the other comparisons send them as the peers are sent"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -341,10 +354,10 @@ async def _bench(args: argparse.Namespace, options) -> int:
 
     workload = _workload(args)
     server = args.server or ("localhost:8000" if args.backend == "openai" else "localhost:50051")
-    requests = await build_requests(server, workload, options.security, args.backend)
     token = internal_token(args.internal_token_file, os.environ)
     scheduler_security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
-    target = BenchTarget(server, args.scheduler, options, scheduler_security)
+    target = BenchTarget(server, args.scheduler, options, scheduler_security, args.release_at_once)
+    requests = await build_requests(server, workload, options.security, args.backend)
     result = await run_benchmark(target, requests, seed=args.seed)
     print(result_table(result), flush=True)
     if args.json_path:

@@ -18,6 +18,7 @@ import grpc
 
 from services.bench.datasets import WORDS, BenchRequest
 from services.bench.metrics import RequestOutput
+from services.bench.stats import SchedulerGate
 from services.common.errors import ConfigError
 from services.common.security import ClientSecurity
 
@@ -91,7 +92,7 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
         temperature=options.temperature,
         ignore_eos=options.ignore_eos,
     )
-    start = time.perf_counter()
+    start = out.sent_at = time.perf_counter()
     try:
         metadata = options.security.with_metadata(None)
         async for reply in stub.Generate(msg, timeout=options.timeout_s, metadata=metadata):
@@ -107,10 +108,18 @@ async def _one(stub, request: BenchRequest, options: DriverOptions) -> RequestOu
 
 
 async def run_requests(
-    address: str, requests: list[BenchRequest], gaps_s: list[float], options: DriverOptions
+    address: str,
+    requests: list[BenchRequest],
+    gaps_s: list[float],
+    options: DriverOptions,
+    gate: SchedulerGate | None = None,
 ) -> tuple[list[RequestOutput], float]:
     """Sends every request (request i after gaps_s[0..i-1]); returns the outputs, in request
-    order, and the wall time from the first send to the last response."""
+    order, and the wall time from the first send to the last response.
+
+    With a `gate` (a burst): the scheduler is paused before the first send and unpaused
+    once every request waits in its queue; the run, and every request's times, count from
+    that release."""
     limit = asyncio.Semaphore(options.max_concurrency or len(requests) or 1)
     bar = _progress_bar(len(requests), options.progress)
 
@@ -123,21 +132,32 @@ async def run_requests(
         return out
 
     async with _sender(address, options) as send:
-        start = time.perf_counter()
+        if gate is not None:
+            await gate.hold()
         tasks = []
-        send_at = itertools.accumulate([0.0, *gaps_s[:-1]])
-        for request, at in zip(requests, send_at, strict=False):
-            delay = at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(limited(request)))
         try:
+            start = time.perf_counter()
+            send_at = itertools.accumulate([0.0, *gaps_s[:-1]])
+            for request, at in zip(requests, send_at, strict=False):
+                delay = at - (time.perf_counter() - start)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(limited(request)))
+            if gate is not None:
+                await gate.wait_queued(len(requests))
+                await gate.release()
+                start = gate.released_at
             outputs = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()
             bar.close()
+            if gate is not None:
+                await gate.release()
         duration = time.perf_counter() - start
+    if gate is not None:
+        for out in outputs:
+            out.count_from(start)
     return list(outputs), duration
 
 

@@ -34,6 +34,20 @@ class RequestOutput:
     success: bool = False
     error: str = ""
     cached_tokens: int = 0
+    sent_at: float = 0.0
+    """`time.perf_counter()` of the send: the moment its times count from."""
+
+    def count_from(self, moment: float) -> None:
+        """Counts this request's times from `moment` instead of its send, when that is
+        later (a held burst's release: the request waited in a paused scheduler's queue
+        from its send until then, by the benchmark's design, not the server's doing)."""
+        shift = moment - self.sent_at
+        if shift <= 0:
+            return
+        self.sent_at = moment
+        if self.ttft_s is not None:
+            self.ttft_s = max(0.0, self.ttft_s - shift)
+            self.latency_s = max(self.ttft_s, self.latency_s - shift)
 
     def add_tokens(self, elapsed_s: float, num_tokens: int) -> None:
         """Records `num_tokens` tokens that arrived `elapsed_s` after the send."""

@@ -85,7 +85,7 @@ async def _one(client, model: str, request: BenchRequest, options) -> RequestOut
     import openai
 
     out = RequestOutput(prompt_len=len(request.prompt_ids))
-    start = time.perf_counter()
+    start = out.sent_at = time.perf_counter()
     num_tokens = None
     try:
         stream = await client.completions.create(

@@ -16,7 +16,8 @@ from services.bench.datasets import (
 )
 from services.bench.driver import DriverOptions, run_requests, token_pool, tokenize
 from services.bench.metrics import summarize
-from services.bench.stats import SchedulerProbe
+from services.bench.stats import SchedulerGate, SchedulerProbe
+from services.common.errors import ConfigError
 from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,23 @@ class BenchTarget:
     scheduler: str | None = None
     options: DriverOptions = field(default_factory=DriverOptions)
     scheduler_security: ClientSecurity = field(default_factory=ClientSecurity)
-    """TLS to the scheduler and its internal token (for its GetStats)."""
+    """TLS to the scheduler and its internal token (for its GetStats, Pause, Unpause)."""
+    release_at_once: bool = False
+    """A burst is held in the scheduler's queue and released at once (`SchedulerGate`)."""
+
+    def __post_init__(self) -> None:
+        if self.release_at_once and self.scheduler is None:
+            raise ConfigError(
+                "--release-at-once holds the burst in the scheduler: give --scheduler"
+            )
+        if self.release_at_once and self.options.request_rate != float("inf"):
+            raise ConfigError(
+                "--release-at-once holds a burst (every request at once): leave out --request-rate"
+            )
+        if self.release_at_once and self.options.max_concurrency:
+            raise ConfigError(
+                "--release-at-once holds every request at once: leave out --max-concurrency"
+            )
 
 
 async def build_requests(
@@ -111,11 +128,18 @@ async def run_benchmark(target: BenchTarget, requests: list[BenchRequest], seed:
     probe = (
         SchedulerProbe(target.scheduler, target.scheduler_security) if target.scheduler else None
     )
-    if probe:
+    gate = None
+    if target.release_at_once:  # the measurement window opens at the release
+        gate = SchedulerGate(
+            target.scheduler, target.scheduler_security, before_release=probe.start
+        )
+    elif probe:
         await probe.start()
     gaps = arrival_gaps(len(requests), target.options.request_rate, seed)
-    outputs, duration = await run_requests(target.server, requests, gaps, target.options)
+    outputs, duration = await run_requests(target.server, requests, gaps, target.options, gate)
     result = summarize(outputs, duration)
+    if gate is not None:
+        result["released_at_once"] = True
     if probe:
         result |= await probe.finish()
         if result.get("total_output_tokens"):

@@ -5,7 +5,9 @@ For each workload, arrival pattern and pipeline depth P, one `conveyor up --devi
 stack per scheduling mode (sync, async) serves the same requests:
 
     workloads  short: 256 requests x 128 / 128 tokens     long: 64 x 2048 / 512
-    arrivals   burst: all at once                         poisson: 0.9 x the burst's req/s
+    arrivals   burst: all at once (held in the scheduler's queue until every request is
+               there, then released: the client's sending speed does not shape it)
+               poisson: 0.9 x the burst's req/s
     P          2, 4, 8 stages of Llama-3-70B on H200 (by default)
 
 Per run: output throughput, TTFT, TPOT, the bubble of every stage, and the modeled ideal:
@@ -263,9 +265,9 @@ def serve_workload(
         async def bench() -> dict:
             pool = await token_pool(stack.router)
             requests = random_requests(pool, num_prompts, input_len, output_len, seed=0)
-            return await run_benchmark(
-                BenchTarget(stack.router, stack.scheduler, options), requests
-            )
+            # a burst is held in the scheduler's queue and released whole (SchedulerGate)
+            target = BenchTarget(stack.router, stack.scheduler, options, release_at_once=not rate)
+            return await run_benchmark(target, requests)
 
         result = asyncio.run(bench())
     finally:

@@ -6,9 +6,12 @@ counters; `finish()` reads the bubble per stage over the window and the counters
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
+from services.common.errors import ConfigError
 from services.common.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -70,3 +73,105 @@ class SchedulerProbe:
             "scheduler_cpu_s": cpu_s,
             "scheduler_cpu_per_plan_us": 1e6 * cpu_s / max(num_plans, 1),
         }
+
+
+class SchedulerGate:
+    """Holds a burst in the scheduler's queue and releases it at once (`conveyor bench
+    --release-at-once`): Pause (WAIT) before the first send, wait until every request is
+    queued, Unpause. Every run then starts from the same state, the whole burst waiting,
+    however fast the client could send it (on a small machine the client's sends compete
+    with the stack they measure). Needs the scheduler's admin access (its internal token,
+    or loopback when it has none) and one pipeline: the scheduler must see every request."""
+
+    POLL_S = 0.02
+
+    def __init__(
+        self,
+        address: str,
+        security: ClientSecurity | None = None,
+        timeout_s: float = 120.0,
+        before_release: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.address = address
+        self.security = security or ClientSecurity()
+        self.timeout_s = timeout_s
+        """How long the requests may take to reach the scheduler's queue."""
+        self.before_release = before_release
+        """Run once every request is queued, just before the release (a probe's start)."""
+        self.is_held = False
+        self.released_at: float | None = None
+        """`time.perf_counter()` as the Unpause went out: where the run's times count from."""
+
+    async def _call(self, method: str, request):
+        import grpc
+
+        from services.common.proto.conveyor.v1 import scheduler_pb2_grpc
+
+        async with self.security.channel(self.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            metadata = self.security.with_metadata(None)
+            try:
+                return await getattr(stub, method)(request, timeout=30, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                raise ConfigError(
+                    f"the scheduler at {self.address} refused {method} "
+                    f"({exc.code().name}: {exc.details()}): --release-at-once pauses it, which "
+                    "takes its internal token (--internal-token-file) unless it has none and "
+                    "the benchmark runs on its machine"
+                ) from exc
+
+    async def hold(self) -> None:
+        """Pauses admission. Refuses a scheduler that is paused already (an operator's
+        pause is theirs to end) or that has requests queued (they would join the burst)."""
+        from services.common.proto.conveyor.v1 import scheduler_pb2
+
+        stats = await self._call("GetStats", scheduler_pb2.GetStatsRequest())
+        if stats.paused:
+            raise ConfigError(
+                f"the scheduler at {self.address} is paused already: --release-at-once "
+                "pauses and unpauses it itself; Unpause it first"
+            )
+        if stats.num_waiting:
+            raise ConfigError(
+                f"the scheduler at {self.address} has {stats.num_waiting} requests queued: "
+                "--release-at-once needs an empty queue to hold the burst in"
+            )
+        await self._call("Pause", scheduler_pb2.PauseRequest(mode=scheduler_pb2.PAUSE_MODE_WAIT))
+        self.is_held = True
+
+    async def wait_queued(self, num_requests: int) -> None:
+        """Returns once `num_requests` requests wait in the scheduler's queue."""
+        from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        deadline = time.monotonic() + self.timeout_s
+        num_waiting = 0
+        async with self.security.channel(self.address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            metadata = self.security.with_metadata(None)
+            while time.monotonic() < deadline:
+                stats = await stub.GetStats(
+                    scheduler_pb2.GetStatsRequest(), timeout=30, metadata=metadata
+                )
+                num_waiting = stats.num_waiting
+                if num_waiting >= num_requests:
+                    return
+                await asyncio.sleep(self.POLL_S)
+        raise ConfigError(
+            f"only {num_waiting} of {num_requests} requests reached the queue of the scheduler "
+            f"at {self.address} in {self.timeout_s:.0f} s: --release-at-once needs every "
+            "request to go to that scheduler (one pipeline behind the router)"
+        )
+
+    async def release(self) -> None:
+        """Unpauses, if held (safe to call again)."""
+        from services.common.proto.conveyor.v1 import scheduler_pb2
+
+        if not self.is_held:
+            return
+        try:
+            if self.before_release is not None:
+                await self.before_release()
+        finally:
+            self.released_at = time.perf_counter()
+            await self._call("Unpause", scheduler_pb2.UnpauseRequest())
+            self.is_held = False

@@ -10,14 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.bench.plot import plot_trace
 from services.bench.replay_plans import replay, stack_times
 from services.cli import main
+from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher import wait_serving
 from services.models.tiny import make_tiny_model
-from services.worker.plan_record import read_header, runner_config
+from services.worker.plan_record import read_header, read_plans, runner_config
 from services.worker.runner import StageRunner
 from tests.conftest import free_port
 
@@ -133,9 +135,30 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
     assert len(result["bubble_fraction"]) == 2
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
+    # a burst held in the scheduler's queue, then released whole: planned in one step
+    plans_file = tmp_path / "plans" / "stage0.plans"
+    num_before = sum(1 for _ in read_plans(plans_file))
+    workload = ["--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--no-progress"]
+    held = tmp_path / "held.json"
+    bench_held = ["bench", "--server", router, "--scheduler", scheduler, "--release-at-once"]
+    assert main([*bench_held, *workload, "--seed", "3", "--json", str(held)]) == 0
+    result = json.loads(held.read_text())
+    assert result["released_at_once"] and result["completed"] == 8
+    assert result["total_output_tokens"] == 64
+    held_plans = [p for p in list(read_plans(plans_file))[num_before:] if p is not None]
+    assert [len(p.new_requests) for p in held_plans if p.new_requests] == [8]
+    # an operator's pause is theirs: refused, and left as it was
+    with grpc.insecure_channel(scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub.Pause(scheduler_pb2.PauseRequest(mode=scheduler_pb2.PAUSE_MODE_KEEP), timeout=30)
+        capsys.readouterr()
+        assert main([*bench_held, *workload]) == 2
+        assert "paused already" in capsys.readouterr().err
+        assert stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30).paused
+        stub.Unpause(scheduler_pb2.UnpauseRequest(), timeout=30)
+
     # the same workload through the OpenAI-compatible API, with the openai client
     over_http = tmp_path / "openai.json"
-    workload = ["--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--no-progress"]
     code = main(
         ["bench", "--backend", "openai", "--server", http, *workload, "--json", str(over_http)]
     )
@@ -158,7 +181,7 @@ def test_bench_against_a_real_stack_reports_every_key(tiny_stack, tmp_path, caps
         runner = StageRunner.from_config(runner_config(read_header(recording)))
         assert runner.model.stage.stage_index == stage
         replayed = replay(runner, recording).times
-        assert sum(map(len, replayed.values())) >= 16  # two bursts of 8 prompts, 8 tokens
+        assert sum(map(len, replayed.values())) >= 24  # three bursts of 8 prompts, 8 tokens
         for kind, steps in stack_times(trace, stage).items():
             assert len(replayed[kind]) >= len(steps)
 

@@ -58,3 +58,29 @@ def test_summarize_nothing_completed_gives_zeros_not_errors():
     result = summarize([RequestOutput(prompt_len=3, error="x")], duration_s=1.0)
     assert result["completed"] == 0 and result["failed"] == 1
     assert result["mean_ttft_ms"] == 0.0 and result["p99_itl_ms"] == 0.0
+
+
+def test_request_output_counted_from_a_later_release():
+    # sent at t=10.0, held in the queue until the release at t=10.4; tokens at 0.5 and 0.7 s
+    # after the send: 0.1 and 0.3 s after the release
+    out = _output(4, [(0.5, 1), (0.7, 2)])
+    out.sent_at = 10.0
+    out.count_from(10.4)
+    assert out.ttft_s == pytest.approx(0.1) and out.latency_s == pytest.approx(0.3)
+    assert out.itl_s == pytest.approx([0.1, 0.1]) and out.sent_at == 10.4
+    out.count_from(10.1)  # an earlier moment changes nothing
+    assert out.ttft_s == pytest.approx(0.1)
+
+
+def test_release_at_once_needs_a_scheduler_and_a_burst():
+    from services.bench.driver import DriverOptions
+    from services.bench.run import BenchTarget
+    from services.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give --scheduler"):
+        BenchTarget("r:1", None, release_at_once=True)
+    with pytest.raises(ConfigError, match="--request-rate"):
+        BenchTarget("r:1", "s:2", DriverOptions(request_rate=4.0), release_at_once=True)
+    with pytest.raises(ConfigError, match="--max-concurrency"):
+        BenchTarget("r:1", "s:2", DriverOptions(max_concurrency=4), release_at_once=True)
+    BenchTarget("r:1", "s:2", release_at_once=True)  # a burst: fine

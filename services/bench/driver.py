@@ -144,7 +144,7 @@ async def run_requests(
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(limited(request)))
             if gate is not None:
-                await gate.wait_queued(len(requests))
+                await gate.wait_queued(len(requests), lambda: sum(t.done() for t in tasks))
                 await gate.release()
                 start = gate.released_at
             outputs = await asyncio.gather(*tasks)

@@ -13,6 +13,7 @@ _ROWS = [
     ("Successful requests", "completed", "{:d}"),
     ("Failed requests", "failed", "{:d}"),
     ("Benchmark duration (s)", "duration_s", "{:.2f}"),
+    ("Burst held, released at once", "released_at_once", "{}"),
     ("Total input tokens", "total_input_tokens", "{:d}"),
     ("Total generated tokens", "total_output_tokens", "{:d}"),
     ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
@@ -51,6 +52,8 @@ def result_table(result: dict, title: str = "Serving Benchmark Result") -> str:
             value = result[key]
             if key == "bubble_fraction":
                 value = ", ".join(f"{b:.1%}" for b in value) or "n/a"
+            elif key == "released_at_once":
+                value = "yes" if value else "no"
             lines.append(f"{label + ':':<40}{fmt.format(value):>10}")
     if lines[-1].strip("- ").startswith("Pipeline"):
         lines.pop()

@@ -66,6 +66,8 @@ def test_result_table_shows_scheduler_rows_only_with_a_scheduler():
     cpu = {"plans_per_s": 512.25, "scheduler_cpu_per_plan_us": 1234.4}
     table = result_table(base | cpu | {"scheduler_cpu_per_token_us": 38.57})
     assert "512.2" in table and "1234" in table and "38.6" in table
+    assert "released at once" not in table
+    assert "Burst held, released at once:" in result_table(base | {"released_at_once": True})
 
 
 def test_ratios_against_the_issue_targets():

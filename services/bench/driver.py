@@ -145,6 +145,12 @@ async def run_requests(
                 tasks.append(asyncio.create_task(limited(request)))
             if gate is not None:
                 await gate.wait_queued(len(requests), lambda: sum(t.done() for t in tasks))
+                if any(t.done() and t.result().success for t in tasks):
+                    raise ConfigError(
+                        f"requests completed while the scheduler at {gate.address} held the "
+                        "burst: the router sent them to another pipeline; --release-at-once "
+                        "needs one pipeline behind the router"
+                    )
                 await gate.release()
                 start = gate.released_at
             outputs = await asyncio.gather(*tasks)

@@ -285,3 +285,28 @@ def test_up_sigterm_while_starting_stops_every_child(tmp_path):
         if Path(f"/proc/{pid}").exists()
         and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
     ]
+
+
+def test_release_at_once_refuses_a_burst_spread_over_two_pipelines(tmp_path, capsys):
+    """Behind a router of two pipelines, the requests sent to the other pipeline run while
+    the held scheduler waits: the bench says so, fails, and leaves the scheduler unpaused."""
+    port, scheduler_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--no-http", "--device", "sim",
+            "--model", str(ROOT / "services/worker/sim/models/llama-3-70b"), "--stages", "2",
+            "--pipelines", "2", "--port", str(port), "--scheduler-port", str(scheduler_port)]  # fmt: skip
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(f"127.0.0.1:{port}", 120, proc)
+        scheduler = f"127.0.0.1:{scheduler_port}"
+        workload = ["--num-prompts", "16", "--input-len", "16", "--output-len", "4"]
+        bench = ["bench", "--server", f"127.0.0.1:{port}", "--scheduler", scheduler]
+        assert main([*bench, *workload, "--no-progress", "--release-at-once"]) == 2
+        assert "another pipeline" in capsys.readouterr().err
+        with grpc.insecure_channel(scheduler) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            assert not stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30).paused
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()

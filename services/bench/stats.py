@@ -2,6 +2,8 @@
 
 `start()` resets the workers' step timelines (a new measurement window) and snapshots the
 counters; `finish()` reads the bubble per stage over the window and the counters' change.
+`SchedulerGate` holds a burst in the scheduler's queue and releases it whole
+(`conveyor bench --release-at-once`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ _ROWS = [
     ("Mean E2EL (ms)", "mean_e2el_ms", "{:.2f}"),
     ("Pipeline (scheduler)", None, None),
     ("Bubble fraction per stage", "bubble_fraction", "{}"),
+    ("Of it, waiting for plans", "plan_wait_fraction", "{}"),
     ("Prefix cache hit rate", "prefix_cache_hit_rate", "{:.3f}"),
     ("Preemptions", "preemptions", "{:d}"),
     ("Plans per second", "plans_per_s", "{:.1f}"),
@@ -50,7 +51,7 @@ def result_table(result: dict, title: str = "Serving Benchmark Result") -> str:
             lines.append(f" {label} ".center(_WIDTH, "-"))
         elif key in result:
             value = result[key]
-            if key == "bubble_fraction":
+            if key in ("bubble_fraction", "plan_wait_fraction"):
                 value = ", ".join(f"{b:.1%}" for b in value) or "n/a"
             elif key == "released_at_once":
                 value = "yes" if value else "no"

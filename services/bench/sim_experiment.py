@@ -309,9 +309,16 @@ def _bubble(result: dict) -> str:
     return f"{min(bubbles):.0%}-{max(bubbles):.0%}" if bubbles else "n/a"
 
 
+def _plan_wait(result: dict) -> str:
+    """Stage 0's wait for plans, of the wall time: the control plane late (async) or the
+    round trip (sync)."""
+    waits = result.get("plan_wait_fraction") or []
+    return f"{waits[0]:.0%}" if waits else "n/a"
+
+
 def experiment_table(points: list[Point]) -> str:
     header = ["workload", "arrival", "P", "mode", "out tok/s", "ideal tok/s", "of ideal"]
-    header += ["TTFT ms", "TPOT ms", "bubble"]
+    header += ["TTFT ms", "TPOT ms", "bubble", "s0 plan wait"]
     rows, ratios = [], []
     for p in points:
         r = p.result
@@ -327,17 +334,21 @@ def experiment_table(points: list[Point]) -> str:
                 f"{r['mean_ttft_ms']:.0f}",
                 f"{r['mean_tpot_ms']:.1f}",
                 _bubble(r),
+                _plan_wait(r),
             ]
         )
     for sync, async_ in _pairs(points):
+        a, s = async_.result, sync.result
         ratios.append(
             [
                 f"{async_.workload} {async_.arrival} P={async_.stages}",
-                f"{async_.result['output_throughput'] / sync.result['output_throughput']:.2f}",
-                f"{async_.result['mean_tpot_ms'] / sync.result['mean_tpot_ms']:.2f}",
+                f"{a['output_throughput'] / s['output_throughput']:.2f}",
+                f"{a['mean_tpot_ms'] / s['mean_tpot_ms']:.2f}",
+                f"{a['mean_ttft_ms'] / s['mean_ttft_ms']:.2f}" if s["mean_ttft_ms"] else "n/a",
             ]
         )
-    return grid(header, rows) + "\n\n" + grid(["async vs sync", "throughput", "TPOT"], ratios)
+    ratio_header = ["async vs sync", "throughput", "TPOT", "TTFT"]
+    return grid(header, rows) + "\n\n" + grid(ratio_header, ratios)
 
 
 def round_trip_ms(trace: dict, num_stages: int) -> float | None:
@@ -373,7 +384,8 @@ def _round_trip(point: Point) -> str:
 
 def sweep_table(points: list[Point]) -> str:
     header = ["P", "step ms", "sync bubble", "async bubble", "async/sync tok/s"]
-    header += ["async/sync TPOT", "async of ideal", "sync RTT ms", "plan us", "plans/s"]
+    header += ["async/sync TPOT", "async of ideal", "sync RTT ms", "async s0 plan wait"]
+    header += ["plan us", "plans/s"]
     rows = []
     for sync, async_ in _pairs(points):
         a, s = async_.result, sync.result
@@ -387,6 +399,7 @@ def sweep_table(points: list[Point]) -> str:
                 f"{a['mean_tpot_ms'] / s['mean_tpot_ms']:.2f}",
                 f"{a['output_throughput'] / async_.ideal_throughput:.0%}",
                 _round_trip(sync),
+                _plan_wait(a),
                 f"{a.get('mean_schedule_us', 0):.0f}",
                 f"{a.get('plans_per_s', 0):.0f}",
             ]

@@ -43,7 +43,8 @@ class SchedulerProbe:
         self._started_at = time.monotonic()
 
     async def finish(self) -> dict:
-        """bubble_fraction (per stage, over the window), prefix_cache_hit_rate (since the
+        """bubble_fraction and plan_wait_fraction (per stage, over the window: idle, and of
+        that waiting for plans), prefix_cache_hit_rate (since the
         scheduler started), preemptions (during the window), scheduling, num_stages, and
         over the window: plans_per_s and the scheduler's CPU seconds (in all and per plan)."""
         end = await self._stats(reset=False)
@@ -66,6 +67,7 @@ class SchedulerProbe:
             }
         return spec | {
             "bubble_fraction": [round(b, 4) for b in end.bubble_fraction],
+            "plan_wait_fraction": [round(w, 4) for w in end.plan_wait_fraction],
             "prefix_cache_hit_rate": end.prefix_cache_hit_rate,
             "preemptions": end.num_preempted_total - start_preempted,
             "scheduling": end.scheduling,

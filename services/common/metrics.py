@@ -335,22 +335,34 @@ class WorkerMetrics:
 
 
 class BubbleCollector(Collector):
-    """`conveyor:pipeline_bubble_fraction{stage}`: idle / wall of a stage's recorded steps."""
+    """`conveyor:pipeline_bubble_fraction{stage}`: idle / wall of a stage's recorded steps, and
+    `conveyor:pipeline_plan_wait_fraction{stage}`: the part of it spent waiting for plans.
 
-    def __init__(self, stage: int, bubble: Callable[[], float | None]):
+    `fractions` returns (bubble, plan wait), or None before there is a timeline."""
+
+    def __init__(self, stage: int, fractions: Callable[[], tuple[float, float] | None]):
         self._stage = str(stage)
-        self._bubble = bubble
+        self._fractions = fractions
 
     def collect(self) -> Iterable:
-        value = self._bubble()
-        if value is None:
+        values = self._fractions()
+        if values is None:
             return
+        bubble, plan_wait = values
         family = GaugeMetricFamily(
             "conveyor:pipeline_bubble_fraction",
             "Idle fraction of the stage's wall time over its recorded steps (0-1).",
             labels=["stage"],
         )
-        family.add_metric([self._stage], value)
+        family.add_metric([self._stage], bubble)
+        yield family
+        family = GaugeMetricFamily(
+            "conveyor:pipeline_plan_wait_fraction",
+            "Of the stage's wall time, the fraction it waited for the next plan to arrive "
+            "(0-1, a part of the bubble): at stage 0 in async mode, the control plane late.",
+            labels=["stage"],
+        )
+        family.add_metric([self._stage], plan_wait)
         yield family
 
 

@@ -77,6 +77,7 @@ def stats_to_dict(msg, top: int) -> dict:
         "fragmentation": msg.fragmentation,
         "prefix_cache_hit_rate": msg.prefix_cache_hit_rate,
         "bubble_fraction": list(msg.bubble_fraction),
+        "plan_wait_fraction": list(msg.plan_wait_fraction),
         "speculative_config": msg.speculative_config,
         "num_spec_steps": msg.num_spec_steps,
         "num_spec_draft_tokens": msg.num_spec_draft_tokens,
@@ -112,6 +113,7 @@ def _speculation(stats: dict) -> str:
 def format_table(stats: dict) -> str:
     """A plain-text table of `stats_to_dict`'s numbers."""
     bubbles = "  ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(stats["bubble_fraction"]))
+    plan_waits = "  ".join(f"stage {i}: {w:.1%}" for i, w in enumerate(stats["plan_wait_fraction"]))
     rows = [
         (
             "serving",
@@ -141,6 +143,7 @@ def format_table(stats: dict) -> str:
         ("fragmentation", f"{stats['fragmentation']:.1%} of allocated slots empty"),
         ("prefix hit rate", f"{stats['prefix_cache_hit_rate']:.1%} of prompt tokens"),
         ("bubble", bubbles or "n/a"),
+        ("plan wait", plan_waits or "n/a"),
         ("speculation", _speculation(stats)),
     ]
     width = max(len(name) for name, _ in rows)

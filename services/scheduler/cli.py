@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-inflight",
         type=int,
         default=None,
-        help="steps in flight (default: 2 x stages in async, stages in sync)",
+        help="steps in flight (default: stages + 1 in async, stages in sync); more in async "
+        "when stage 0 waits for plans (`conveyor stats`: plan wait)",
     )
     parser.add_argument(
         "--scheduler-policy",

@@ -300,10 +300,18 @@ class SchedulerConfig:
 
     @property
     def steps_in_flight(self) -> int:
-        """--max-inflight, else 2P (async) or P (sync)."""
+        """--max-inflight, else P + 1 (async) or P (sync).
+
+        Async plans each micro-batch's next step one step before it is due: when step s
+        reports, step s + P + 1 is planned, while stage 0 still has step s + 1's tokens to
+        wait for. One step of lead hides the control plane's round trip whenever that is
+        shorter than a stage step; each step more adds a stage step to the wait of a request
+        that arrives while the pipeline is busy (docs/performance.md#steps-in-flight), so a
+        deeper window is an operator's choice (--max-inflight) for a control plane slower
+        than the stages, which stage 0's plan wait shows (`conveyor stats`)."""
         if self.max_inflight:
             return self.max_inflight
-        return 2 * self.num_stages if self.is_async else self.num_stages
+        return self.num_stages + 1 if self.is_async else self.num_stages
 
     def resolved(self, info: PipelineInfo) -> SchedulerConfig:
         """This config with the workers' values filled in; raises ConfigError where a flag

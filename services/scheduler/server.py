@@ -194,6 +194,7 @@ async def stats_to_pb(
     try:
         timelines = await service.pipeline.timelines(reset=reset_timelines)
         msg.bubble_fraction.extend(t.bubble_fraction for t in timelines)
+        msg.plan_wait_fraction.extend(t.plan_wait_fraction for t in timelines)
     except grpc.RpcError:
         pass  # a stage is gone; the stats say serving=false
     return msg

@@ -39,6 +39,7 @@ def chrome_trace_events(timelines) -> list[dict]:
                         "tokens": step.num_tokens,
                         "wait_ms": step.wait_ns / 1e6,
                         "collective_ms": step.collective_ns / 1e6,
+                        "plan_wait_ms": step.plan_wait_ns / 1e6,
                     },
                 }
             )

@@ -47,6 +47,9 @@ class StepRecord:
     wait_ns: int
     collective_ns: int = 0
     """Of the compute, the time in tensor-parallel collectives (model/tensor_parallel.py)."""
+    plan_wait_ns: int = 0
+    """How long after this stage's previous step ended the step's plan arrived (0: it was
+    there already): the part of the gap before the step that the control plane left."""
 
 
 @dataclass(slots=True)
@@ -78,6 +81,8 @@ class _Session:
     """Stage 0, async: per step, the requests that sample, in batch order."""
     registered_at: dict[str, int] = field(default_factory=dict)
     """Stage 0: the step a request was last sent whole (older tokens are stale)."""
+    last_end_ns: int = 0
+    """When this stage's last step with requests ended (its next plan's wait counts from)."""
 
 
 class Timeline:
@@ -92,18 +97,24 @@ class Timeline:
     def clear(self) -> None:
         self.records.clear()
 
-    def fractions(self) -> tuple[float, float]:
-        """(busy, bubble) over the steps recorded, excluding idle gaps with no work."""
+    def fractions(self) -> tuple[float, float, float]:
+        """(busy, bubble, plan wait) over the steps recorded, excluding idle gaps with no
+        work; plan wait is the part of the bubble this stage waited for plans."""
         records = list(self.records)
         if len(records) < 2:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         busy = sum(r.end_ns - r.start_ns for r in records)
         wall = records[0].end_ns - records[0].start_ns
+        plan_wait = 0
         for prev, cur in zip(records, records[1:], strict=False):
             gap = cur.start_ns - prev.end_ns
-            wall += cur.end_ns - cur.start_ns + (gap if gap < _IDLE_GAP_NS else 0)
-        busy_fraction = busy / wall if wall else 0.0
-        return busy_fraction, 1.0 - busy_fraction
+            if gap < _IDLE_GAP_NS:
+                wall += gap
+                plan_wait += min(cur.plan_wait_ns, gap)
+            wall += cur.end_ns - cur.start_ns
+        if not wall:
+            return 0.0, 1.0, 0.0
+        return busy / wall, 1.0 - busy / wall, plan_wait / wall
 
 
 class StageEngine:
@@ -156,7 +167,7 @@ class StageEngine:
             action()
 
     def submit(self, plan: StepPlan, tokens_from_last_stage: bool) -> None:
-        self._session.plans.put((plan, tokens_from_last_stage))
+        self._session.plans.put((plan, tokens_from_last_stage, time.time_ns()))
 
     def stop(self, join_timeout_s: float = 5.0) -> None:
         """Ends the session: plans not started are dropped and the compute thread joined.
@@ -195,12 +206,14 @@ class StageEngine:
             item = session.plans.get()
             if item is None or session.is_stale:
                 return
-            plan, tokens_from_last_stage = item
+            plan, tokens_from_last_stage, arrived_ns = item
+            # free before the plan came: the control plane's share of the bubble
+            plan_wait_ns = max(0, arrived_ns - session.last_end_ns) if session.last_end_ns else 0
             if session.broken:
                 session.on_outcome(StepOutcome(plan.step_id, None, error=session.broken))
                 continue
             try:
-                outcome = self._execute(session, plan, tokens_from_last_stage)
+                outcome = self._execute(session, plan, tokens_from_last_stage, plan_wait_ns)
             except Exception as exc:  # noqa: BLE001 - the session is over; tell the scheduler
                 if session.is_stale:
                     return
@@ -209,10 +222,16 @@ class StageEngine:
                 outcome = StepOutcome(plan.step_id, None, error=session.broken)
             if outcome is None:  # stale
                 return
+            if outcome.record is not None and plan.num_requests:
+                session.last_end_ns = outcome.record.end_ns
             session.on_outcome(outcome)
 
     def _execute(
-        self, session: _Session, plan: StepPlan, tokens_from_last_stage: bool
+        self,
+        session: _Session,
+        plan: StepPlan,
+        tokens_from_last_stage: bool,
+        plan_wait_ns: int = 0,
     ) -> StepOutcome | None:
         link = session.link
         t_wait = time.time_ns()
@@ -260,6 +279,7 @@ class StageEngine:
             t_end,
             t_start - t_wait,
             collective_ns,
+            plan_wait_ns,
         )
         if plan.num_requests:
             self.timeline.add(record)

@@ -77,9 +77,11 @@ class StepObserver:
             span.end(end_time=record.end_ns)
 
 
-def bubble_of(timeline: Callable[[], Timeline | None]) -> Callable[[], float | None]:
-    """The bubble fraction of the stage's timeline, read at scrape time (None before the
-    model is loaded or before two steps were recorded)."""
+def bubble_of(
+    timeline: Callable[[], Timeline | None],
+) -> Callable[[], tuple[float, float] | None]:
+    """The bubble and plan-wait fractions of the stage's timeline, read at scrape time (None
+    before the model is loaded or before two steps were recorded)."""
 
     def read() -> float | None:
         current = timeline()
@@ -87,7 +89,8 @@ def bubble_of(timeline: Callable[[], Timeline | None]) -> Callable[[], float | N
             return None
         for _ in range(3):  # the compute thread may append while we copy
             try:
-                return current.fractions()[1]
+                _, bubble, plan_wait = current.fractions()
+                return bubble, plan_wait
             except RuntimeError:
                 continue
         return None

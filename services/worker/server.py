@@ -123,11 +123,12 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self.engine is None:
             return worker_pb2.Timeline(stage=self.stage)
         timeline = self.engine.timeline
-        busy, bubble = timeline.fractions()
+        busy, bubble, plan_wait = timeline.fractions()
         reply = worker_pb2.Timeline(
             stage=self.stage,
             busy_fraction=busy,
             bubble_fraction=bubble,
+            plan_wait_fraction=plan_wait,
             num_steps=len(timeline.records),
         )
         if request.include_steps:
@@ -140,6 +141,7 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                     end_ns=r.end_ns,
                     wait_ns=r.wait_ns,
                     collective_ns=r.collective_ns,
+                    plan_wait_ns=r.plan_wait_ns,
                 )
                 for r in timeline.records
             )

@@ -13,6 +13,7 @@ class _Step:
         self.step_id, self.num_requests, self.num_tokens = step_id, 4, 4
         self.start_ns, self.end_ns, self.wait_ns = int(start_ms * 1e6), int(end_ms * 1e6), 0
         self.collective_ns = int((end_ms - start_ms) * 1e6 * 0.25)  # a quarter in all-reduces
+        self.plan_wait_ns = 0
 
 
 class _Timeline:
@@ -61,8 +62,10 @@ def test_plot_trace_writes_a_png(tmp_path):
 def test_result_table_shows_scheduler_rows_only_with_a_scheduler():
     base = {"completed": 8, "failed": 0, "output_throughput": 12.5, "mean_ttft_ms": 3.0}
     assert "Bubble" not in result_table(base)
-    table = result_table(base | {"bubble_fraction": [0.1, 0.02], "preemptions": 0})
+    pipeline = {"bubble_fraction": [0.1, 0.02], "plan_wait_fraction": [0.04, 0.0]}
+    table = result_table(base | pipeline | {"preemptions": 0})
     assert "10.0%, 2.0%" in table and "12.50" in table
+    assert "Of it, waiting for plans:" in table and "4.0%, 0.0%" in table
     cpu = {"plans_per_s": 512.25, "scheduler_cpu_per_plan_us": 1234.4}
     table = result_table(base | cpu | {"scheduler_cpu_per_token_us": 38.57})
     assert "512.2" in table and "1234" in table and "38.6" in table

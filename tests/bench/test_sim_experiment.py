@@ -15,12 +15,15 @@ from services.worker.sim.profiles import load_profile
 from services.worker.sim.timing import StageTimingModel
 
 
-def _point(stages: int, scheduling: str, tok_s: float, tpot: float, bubbles, step_ms=None):
+def _point(
+    stages: int, scheduling: str, tok_s: float, tpot: float, bubbles, step_ms=None, ttft=100.0
+):
     result = {
         "output_throughput": tok_s,
-        "mean_ttft_ms": 100.0,
+        "mean_ttft_ms": ttft,
         "mean_tpot_ms": tpot,
         "bubble_fraction": bubbles,
+        "plan_wait_fraction": [b / 2 for b in bubbles],
         "mean_schedule_us": 250.0,
         "plans_per_s": 800.0,
     }
@@ -35,11 +38,12 @@ def test_ideal_is_the_throughput_over_the_busiest_stages_busy_fraction():
 def test_experiment_table_pairs_sync_and_async_of_the_same_shape():
     points = [
         _point(2, "sync", 500.0, 40.0, [0.3, 0.3]),
-        _point(2, "async", 650.0, 30.0, [0.05, 0.04]),
+        _point(2, "async", 650.0, 30.0, [0.05, 0.04], ttft=90.0),
         _point(4, "sync", 400.0, 80.0, [0.5, 0.5, 0.5, 0.5]),
     ]
     table = sx.experiment_table(points)
-    assert "short burst P=2        1.30  0.75" in table
+    assert "short burst P=2        1.30  0.75  0.90" in table
+    assert table.splitlines()[3].split()[-2:] == ["4%-5%", "2%"]  # stage 0's plan wait
     assert "P=4" not in table.split("async vs sync")[1]  # no async run of P=4 to pair
 
 
@@ -64,7 +68,7 @@ def test_sweep_table_shows_both_bubbles_and_the_plan_rate():
     ]
     row = sx.sweep_table(points).splitlines()[-1].split()
     assert row[:6] == ["8", "2", "30%-30%", "4%-4%", "1.40", "0.72"]
-    assert row[-3:] == ["n/a", "250", "800"]  # no timeline: no round trip
+    assert row[-4:] == ["n/a", "2%", "250", "800"]  # no timeline: no round trip
 
 
 def _slice(stage: int, step_id: int, start_ms: float, dur_ms: float) -> dict:
@@ -86,7 +90,7 @@ def test_round_trip_is_last_stage_end_to_stage_0_start_p_steps_later(tmp_path):
     sync = _point(2, "sync", 300.0, 60.0, [0.3] * 2, step_ms=10.0)
     sync.result["trace"] = str(path)
     points = [sync, _point(2, "async", 420.0, 43.0, [0.04] * 2, step_ms=10.0)]
-    assert sx.sweep_table(points).splitlines()[-1].split()[-3:] == ["4.00", "250", "800"]
+    assert sx.sweep_table(points).splitlines()[-1].split()[-4:] == ["4.00", "2%", "250", "800"]
 
 
 def test_median_run_keeps_one_whole_run_and_the_range():

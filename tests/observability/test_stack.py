@@ -110,8 +110,11 @@ def test_metrics_endpoints_match_the_run(observed_stack):
         label = {"stage": str(stage)}
         assert value(worker, "conveyor:stage_step_seconds_count", **label) > 0
         assert value(worker, "conveyor:stage_batch_size_count", **label) > 0
-        assert 0.0 <= value(worker, "conveyor:pipeline_bubble_fraction", **label) <= 1.0
+        bubble = value(worker, "conveyor:pipeline_bubble_fraction", **label)
+        assert 0.0 <= bubble <= 1.0
         assert ("conveyor:pipeline_bubble_fraction", (("stage", str(stage)),)) in worker
+        plan_wait = value(worker, "conveyor:pipeline_plan_wait_fraction", **label)
+        assert 0.0 <= plan_wait <= bubble + 1e-9
 
 
 def test_one_request_is_one_trace_across_processes(observed_stack):
@@ -225,9 +228,13 @@ def test_stats_json_is_consistent_with_the_scheduler(observed_stack):
     assert numbers["num_free_blocks"] == value(metrics, "conveyor:kv_cache_free_blocks")
     assert len(numbers["bubble_fraction"]) == stack.num_stages
     assert all(0.0 <= b <= 1.0 for b in numbers["bubble_fraction"])
+    waits = numbers["plan_wait_fraction"]  # a part of each stage's bubble
+    assert len(waits) == stack.num_stages
+    assert all(0.0 <= w <= b + 1e-9 for w, b in zip(waits, numbers["bubble_fraction"], strict=True))
 
     table = stats(stack)
     assert table.returncode == 0 and "KV blocks" in table.stdout and "bubble" in table.stdout
+    assert "plan wait" in table.stdout
 
 
 def test_stats_watch_refreshes(observed_stack):

@@ -192,6 +192,26 @@ def test_pipeline_sync_sends_tokens_in_the_plan(model, redis_url):
     assert cached and all(len(c.new_token_ids) == 1 for c in cached)
 
 
+def test_pipeline_sync_stage0_waits_for_the_plan_of_every_step_of_a_lone_request(model, redis_url):
+    """Stage 0's plan wait is the control plane's share of its bubble: in sync mode a lone
+    request's next plan is made only once its token came back, after stage 0 was done with
+    the step before, so stage 0 waited for each plan (and for nothing else)."""
+    model_dir, prompts, _, _ = model
+
+    async def main():
+        async with InProcessStack(model_dir, 2, "sync", redis_url) as stack:
+            return stack, await stack.generate(prompts[:1], [greedy(max_tokens=6)])
+
+    stack, _ = asyncio.run(main())
+    first, *later = stack.pipeline.engines[0].timeline.records
+    assert len(later) == 5
+    assert all(r.plan_wait_ns > 0 for r in later), [r.plan_wait_ns for r in later]
+    for prev, cur in zip([first, *later], later, strict=False):
+        assert cur.plan_wait_ns <= cur.start_ns - prev.end_ns
+    busy, bubble, plan_wait = stack.pipeline.engines[0].timeline.fractions()
+    assert 0.0 < plan_wait <= bubble + 1e-9 and busy + bubble == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_pipeline_async_late_finish_discards_the_extra_token(num_stages, model, redis_url):
     """Request "stop" ends at its first token (a stop token id). One request per step, one

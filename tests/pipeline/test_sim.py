@@ -112,10 +112,11 @@ def test_sim_pipeline_sync_and_async_agree(runs):
 
 def test_sim_pipeline_async_keeps_more_micro_batches_in_flight(runs):
     """Sync plans a request again only once its token came back (at most P steps in
-    flight); async plans ahead (up to 2P) and stage 0 takes tokens from the last stage."""
+    flight); async plans one step ahead (P + 1 by default) and stage 0 takes tokens from
+    the last stage."""
     _, sync_inflight, _ = runs["sync"]
     _, async_inflight, async_stack = runs["async"]
     assert max(sync_inflight) <= NUM_STAGES
-    assert max(async_inflight) > NUM_STAGES
+    assert max(async_inflight) == NUM_STAGES + 1
     assert sum(async_inflight) / len(async_inflight) > sum(sync_inflight) / len(sync_inflight)
     assert async_stack.hub.tokens_sent, "the last stage forwarded no token to stage 0"

@@ -457,6 +457,7 @@ def test_speculation_keeps_decodes_in_p_balanced_micro_batches_and_probes_back_o
         max_model_len=256,
         num_blocks=400,
         max_num_batched_tokens=64,
+        max_inflight=4,  # the output counts at which probes are seen depend on the window
     )
     copying = [make_request(f"rep{i}", 8, 200, ignore_eos=True) for i in range(7)]
     others = [make_request(f"q{i}", 9, 200, ignore_eos=True) for i in range(3)]

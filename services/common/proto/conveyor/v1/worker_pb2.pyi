@@ -195,7 +195,7 @@ class GetTimelineRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns", "collective_ns")
+    __slots__ = ("step_id", "num_requests", "num_tokens", "start_ns", "end_ns", "wait_ns", "collective_ns", "plan_wait_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class StepTiming(_message.Message):
     END_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_NS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_requests: int
     num_tokens: int
@@ -210,18 +211,21 @@ class StepTiming(_message.Message):
     end_ns: int
     wait_ns: int
     collective_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., collective_ns: _Optional[int] = ...) -> None: ...
+    plan_wait_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., collective_ns: _Optional[int] = ..., plan_wait_ns: _Optional[int] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("stage", "busy_fraction", "bubble_fraction", "num_steps", "steps")
+    __slots__ = ("stage", "busy_fraction", "bubble_fraction", "num_steps", "steps", "plan_wait_fraction")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     stage: int
     busy_fraction: float
     bubble_fraction: float
     num_steps: int
     steps: _containers.RepeatedCompositeFieldContainer[StepTiming]
-    def __init__(self, stage: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., num_steps: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
+    plan_wait_fraction: float
+    def __init__(self, stage: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., bubble_fraction: _Optional[float] = ..., num_steps: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., plan_wait_fraction: _Optional[float] = ...) -> None: ...

@@ -61,12 +61,18 @@ def scheduler_error(exc: grpc.aio.AioRpcError) -> ConveyorError:
 
 
 def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerDelta:
-    """A delta without the tokens before `next_offset` (already delivered)."""
-    skip = max(0, next_offset - msg.offset)
-    if msg.offset > next_offset:
-        raise RequestFailed(f"the scheduler skipped tokens {next_offset}..{msg.offset - 1}")
+    """A delta without the tokens before `next_offset` (already delivered). A message with
+    neither tokens nor a finish reason (a scheduler letting go of an adopted request) sits
+    at `next_offset`: its offset may count tokens that scheduler could not persist, and so
+    never streamed; the new owner recomputes them."""
+    offset = msg.offset
+    if not msg.token_ids and FINISH_FROM_PB.get(msg.finish_reason, "error") is None:
+        offset = next_offset
+    skip = max(0, next_offset - offset)
+    if offset > next_offset:
+        raise RequestFailed(f"the scheduler skipped tokens {next_offset}..{offset - 1}")
     return SchedulerDelta(
-        offset=msg.offset + skip,
+        offset=offset + skip,
         token_ids=list(msg.token_ids[skip:]),
         logprobs=[logprobs_from_pb(lp) for lp in msg.logprobs[skip:]],
         finish_reason=FINISH_FROM_PB.get(msg.finish_reason, "error"),

@@ -63,9 +63,11 @@ class StateStore(Protocol):
     def add(self, request: Request) -> None:
         """Persist a new request (prompt, params, tenant, priority) before it is queued."""
 
-    def apply(self, updates: list[RequestUpdate]) -> None:
+    def apply(self, updates: list[RequestUpdate]) -> set[str]:
         """Persist one step's state changes and appended tokens in one round trip.
-        Idempotent: applying the same updates twice appends nothing twice."""
+        Idempotent: applying the same updates twice appends nothing twice. Returns the
+        requests whose writes were refused because another pipeline owns them now (their
+        tokens must not be streamed: the new owner recomputes them)."""
 
     def check(self) -> None:
         """Raises `StateStoreError` when the store does not answer, `StoreLost` when it lost

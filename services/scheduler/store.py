@@ -189,11 +189,12 @@ class RedisStateStore:
                 f"{(owner or b'').decode() or '(unnamed)'}: pick a unique id, or Resume it"
             )
 
-    def apply(self, updates: list[RequestUpdate]) -> None:
+    def apply(self, updates: list[RequestUpdate]) -> set[str]:
         """Persist one step's changes in one round trip (plus one to reload the Lua script
-        if Redis lost it, e.g. after a restart)."""
+        if Redis lost it, e.g. after a restart). Returns the requests another pipeline
+        adopted (none of their writes was made), also kept for `take_moved()`."""
         if not updates:
-            return
+            return set()
         sha = self._script_sha or self._load_script()
         check = time.monotonic() >= self._next_check
         results = self._execute(self._apply_pipeline(sha, updates, check))
@@ -205,14 +206,14 @@ class RedisStateStore:
         if errors:
             raise StateStoreError(f"Redis at {self.url} refused a state write: {errors[0]}")
         lengths = results[0]
-        self._moved.update(
-            u.request_id for u, n in zip(updates, lengths, strict=True) if n == _MOVED
-        )
+        moved = {u.request_id for u, n in zip(updates, lengths, strict=True) if n == _MOVED}
+        self._moved.update(moved)
         lost = [u.request_id for u, n in zip(updates, lengths, strict=True) if n in (_LOST, _GAP)]
         if lost:
             raise StoreLost(
                 f"Redis at {self.url} lost the state of {len(lost)} requests (e.g. {lost[0]})"
             )
+        return moved
 
     def take_moved(self) -> set[str]:
         """The requests whose writes were refused since the last call: another pipeline

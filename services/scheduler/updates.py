@@ -37,6 +37,8 @@ class Batch:
     updated: dict[str, Request] = field(default_factory=dict)
     """The request behind each update (what a rewrite writes whole)."""
     deltas: dict[str, TokenDelta] = field(default_factory=dict)
+    moved: set[str] = field(default_factory=set)
+    """Requests whose writes the store refused: another pipeline adopted them."""
 
     def __bool__(self) -> bool:
         return bool(self.updates or self.deltas)
@@ -137,12 +139,14 @@ class StepOutputs:
         """Persist `batch`'s writes (one round trip; any thread: it reads only the batch).
         Raises `StateStoreError`, or `StoreLost` (then `give_back` and `rewrite`)."""
         if self.store is not None and batch.updates:
-            self.store.apply(list(batch.updates.values()))
+            batch.moved = self.store.apply(list(batch.updates.values()))
 
     def done(self, batch: Batch) -> list[TokenDelta]:
-        """`batch` is persisted: its deltas, to stream."""
+        """`batch` is persisted: its deltas, to stream. A request another pipeline adopted
+        has none: the store refused its tokens, and a client must never see a token the
+        store lacks (it resumes at the new owner, which recomputes them)."""
         self._writing = None
-        deltas = list(batch.deltas.values())
+        deltas = [d for i, d in batch.deltas.items() if i not in batch.moved]
         for delta in deltas:
             if not any(delta.logprobs):
                 delta.logprobs = None

@@ -96,6 +96,8 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: int = 0
     error: grpc.StatusCode | None = None
+    details: str = ""
+    """The error's message (shown when a test fails on it)."""
     offsets_ok: bool = True
     """Every delta started where the previous one ended (no gap, no duplicate)."""
 
@@ -229,6 +231,7 @@ def generate(router: str, prompt_ids: list[int], max_tokens: int, out: Outcome, 
                 out.finish_reason = msg.finish_reason
         except grpc.RpcError as exc:
             out.error = exc.code()
+            out.details = exc.details() or ""
 
 
 def run_streams(

@@ -109,8 +109,8 @@ class FakeStore:
     def add(self, request) -> None:
         pass
 
-    def apply(self, updates) -> None:
-        pass
+    def apply(self, updates) -> set[str]:
+        return set()
 
     def check(self) -> None:
         pass

@@ -7,7 +7,9 @@ The test that kills a pipeline runs last: the stack is shared (tests/scaleout/co
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 from services.common.proto.conveyor.v1 import common_pb2
 from tests.faults.utils import wait_until
@@ -72,6 +74,36 @@ def test_prefix_routing_hits_the_cache_more_than_round_robin(stack):
     print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, prefix {prefix:.3f}")
     assert prefix >= 1.5 * round_robin
     assert prefix > 0.5  # every prefix after its first pass, on the pipeline that holds it
+
+
+def test_stalled_pipeline_judged_lost_streams_no_token_the_adopter_lacks(stack, prompts, reference):
+    """p1's scheduler stalls (SIGSTOP) past its announcement's TTL while its worker steps
+    on: p0 adopts its requests. Back, p1 writes the step it missed; the store refuses it
+    (another pipeline owns them) and p1 streams none of those tokens, lets the requests go,
+    and the router resumes them at p0: every stream ends with HF's tokens, no gap and no
+    duplicate. Then p1 serves again."""
+    stalled = stack.pipelines[1]
+    client = stack.redis.client()
+    held = {}
+
+    def stall():
+        stats = stalled.stats()
+        held["requests"] = stats.num_running + stats.num_waiting
+        scheduler = stalled.procs["scheduler"]
+        os.kill(scheduler.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: client.zcard("conveyor:unfinished:p1") == 0, 60, 0.1)
+        finally:
+            os.kill(scheduler.pid, signal.SIGCONT)
+
+    outcomes = run_streams(stack.routers["prefix"], prompts, MAX_TOKENS, stall, 24)
+    assert held["requests"] > 0, "p1 held no request: nothing was adopted"
+    check_greedy(outcomes, range(len(prompts)), reference)
+    wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
+    wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
+    stats = stalled.stats()
+    assert stats.num_running + stats.num_waiting == 0
+    wait_routed_to(stack, "prefix", stalled, prompts[0])
 
 
 def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

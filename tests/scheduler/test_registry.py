@@ -11,6 +11,7 @@ from services.common.pipelines import Announcement, read_announcements
 from services.common.sampling import SamplingParams
 from services.scheduler.registry import PipelineRegistry
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.state import RequestUpdate
 from services.scheduler.store import RedisStateStore, meta_key
 
@@ -90,6 +91,33 @@ def test_expired_pipeline_is_adopted_and_its_writes_are_fenced(redis_url, client
     assert lost_store.read_tokens("a") == [7, 8]
     assert client.hget(meta_key("a"), "owner") == b"p0"
     assert client.smembers("conveyor:pipelines") == {b"p0"}
+
+
+def test_a_lost_scheduler_back_streams_none_of_the_tokens_it_could_not_write(redis_url, client):
+    """A pipeline judged lost while it was only stalled (its announcement expired) comes
+    back with a step's tokens: the store refuses them, and none is streamed, so no client
+    holds a token the adopter lacks (a resume there would find fewer tokens than it saw)."""
+    from services.common.step import StepResult
+    from tests.scheduler.utils import make_config, make_request
+
+    store = RedisStateStore(redis_url, pipeline_id="p1")
+    scheduler = Scheduler(make_config(), store)
+    scheduler.add_request(make_request("a", 4, 32, ignore_eos=True))
+    scheduler.add_request(make_request("b", 4, 32, ignore_eos=True))
+    plan = scheduler.schedule()
+    scheduler.process_result(StepResult(plan.step_id, ["a", "b"], [10, 20]))
+    lost, adopter = PipelineRegistry(redis_url, "p1"), PipelineRegistry(redis_url, "p0")
+    announce(lost, True, ttl_s=0.2)
+    time.sleep(0.3)
+    assert adopter.adopt("p1", grace_s=60) == ["a", "b"]
+    client.hset(meta_key("b"), "owner", "p1")  # b stays the lost one's (as if never moved)
+    outputs = scheduler.outputs
+    plan = scheduler.schedule()
+    scheduler.apply_result(StepResult(plan.step_id, ["a", "b"], [11, 21]))
+    deltas = outputs.flush()
+    assert [(d.request_id, d.offset, d.token_ids) for d in deltas] == [("b", 1, [21])]
+    assert store.take_moved() == {"a"}
+    assert store.read_tokens("a") == [10] and store.read_tokens("b") == [20, 21]
 
 
 def test_not_serving_pipeline_is_adopted_after_the_grace_only(redis_url, client):

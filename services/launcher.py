@@ -28,7 +28,7 @@ from services.common.affinity import available_cpus, default_threads, stage_cpus
 from services.common.config import default_of
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
-from services.common.redis_server import RedisServer, free_port
+from services.common.redis_server import RedisServer, free_port, reserve_ports
 from services.common.security import (
     ClientSecurity,
     add_internal_token_argument,
@@ -200,6 +200,13 @@ class Stack:
                     logger.warning("%s did not stop within %.0f s; killing it", child.name, grace_s)
                     child.proc.kill()
                     child.proc.wait()
+                else:
+                    if child.proc.returncode:  # a crash as it stopped (not our kill above)
+                        logger.warning(
+                            "%s exited with code %s as it stopped",
+                            child.name,
+                            child.proc.returncode,
+                        )
         self.children.clear()
         if self.redis:
             self.redis.stop()
@@ -222,6 +229,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
 
     internal, public = _security_args(args)
     client = _client_security(args)
+    reserve_ports(_named_ports(args))
     try:
         redis_url = args.redis_url
         if not redis_url:
@@ -387,6 +395,19 @@ def _device_args(args: argparse.Namespace) -> list[str]:
         if args.sim_link_latency is not None:
             argv += ["--sim-link-latency", str(args.sim_link_latency)]
     return argv
+
+
+def _named_ports(args: argparse.Namespace) -> list[int]:
+    """The ports the command line names, whole ranges of them where one flag gives several
+    (--scheduler-port per pipeline, --metrics-port per child), for `reserve_ports`."""
+    num_pipelines = getattr(args, "pipelines", 1) or 1
+    num_ranks = args.stages * (getattr(args, "tensor_parallel_size", 1) or 1)
+    ports = [getattr(args, "port", None), getattr(args, "http_port", None)]
+    if getattr(args, "scheduler_port", None):
+        ports += [args.scheduler_port + i for i in range(num_pipelines)]
+    if getattr(args, "metrics_port", None) is not None:
+        ports += [args.metrics_port + i for i in range(2 + num_pipelines * (1 + num_ranks))]
+    return [p for p in ports if isinstance(p, int) and p > 0]
 
 
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:

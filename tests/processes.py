@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -16,3 +21,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextmanager
+def logged_process(proc: subprocess.Popen, log: IO) -> Iterator[subprocess.Popen]:
+    """`proc`, whose output goes to `log`: its log's tail printed to stderr if the body
+    fails; stopped (`stop_process`) and the log closed either way."""
+    try:
+        yield proc
+    except BaseException:
+        log.flush()
+        print(Path(log.name).read_text()[-5000:], file=sys.stderr)
+        raise
+    finally:
+        stop_process(proc)
+        log.close()

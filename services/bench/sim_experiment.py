@@ -316,9 +316,14 @@ def _plan_wait(result: dict) -> str:
     return f"{waits[0]:.0%}" if waits else "n/a"
 
 
+def _window(result: dict) -> str:
+    """Steps in flight at most at the end of the run (async: P + the lead it adapted to)."""
+    return str(result["max_inflight"]) if result.get("max_inflight") else "n/a"
+
+
 def experiment_table(points: list[Point]) -> str:
     header = ["workload", "arrival", "P", "mode", "out tok/s", "ideal tok/s", "of ideal"]
-    header += ["TTFT ms", "TPOT ms", "bubble", "s0 plan wait"]
+    header += ["TTFT ms", "TPOT ms", "bubble", "s0 plan wait", "window"]
     rows, ratios = [], []
     for p in points:
         r = p.result
@@ -335,6 +340,7 @@ def experiment_table(points: list[Point]) -> str:
                 f"{r['mean_tpot_ms']:.1f}",
                 _bubble(r),
                 _plan_wait(r),
+                _window(r),
             ]
         )
     for sync, async_ in _pairs(points):
@@ -385,7 +391,7 @@ def _round_trip(point: Point) -> str:
 def sweep_table(points: list[Point]) -> str:
     header = ["P", "step ms", "sync bubble", "async bubble", "async/sync tok/s"]
     header += ["async/sync TPOT", "async of ideal", "sync RTT ms", "async s0 plan wait"]
-    header += ["plan us", "plans/s"]
+    header += ["async window", "plan us", "plans/s"]
     rows = []
     for sync, async_ in _pairs(points):
         a, s = async_.result, sync.result
@@ -400,6 +406,7 @@ def sweep_table(points: list[Point]) -> str:
                 f"{a['output_throughput'] / async_.ideal_throughput:.0%}",
                 _round_trip(sync),
                 _plan_wait(a),
+                _window(a),
                 f"{a.get('mean_schedule_us', 0):.0f}",
                 f"{a.get('plans_per_s', 0):.0f}",
             ]

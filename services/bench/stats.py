@@ -45,8 +45,9 @@ class SchedulerProbe:
     async def finish(self) -> dict:
         """bubble_fraction and plan_wait_fraction (per stage, over the window: idle, and of
         that waiting for plans), prefix_cache_hit_rate (since the
-        scheduler started), preemptions (during the window), scheduling, num_stages, and
-        over the window: plans_per_s and the scheduler's CPU seconds (in all and per plan)."""
+        scheduler started), preemptions (during the window), scheduling, num_stages, the
+        window at the end (max_inflight) and over the window: how often the async lead
+        changed, plans_per_s and the scheduler's CPU seconds (in all and per plan)."""
         end = await self._stats(reset=False)
         start_preempted = self._start.num_preempted_total if self._start else 0
         start_steps = self._start.num_steps if self._start else 0
@@ -73,6 +74,9 @@ class SchedulerProbe:
             "scheduling": end.scheduling,
             "num_stages": end.num_stages,
             "mean_schedule_us": end.mean_schedule_us,
+            "max_inflight": end.max_inflight,
+            "async_lead_changes": end.async_lead_changes
+            - (self._start.async_lead_changes if self._start else 0),
             "plans_per_s": num_plans / (time.monotonic() - self._started_at),
             "scheduler_cpu_s": cpu_s,
             "scheduler_cpu_per_plan_us": 1e6 * cpu_s / max(num_plans, 1),

@@ -207,6 +207,8 @@ class SchedulerSnapshot:
     num_spec_accepted_tokens: int = 0
     num_draft_calls: int = 0
     num_draft_failures: int = 0
+    max_inflight: int = 0
+    """Steps in flight at most now (async: P + the adaptive lead)."""
 
 
 class SchedulerCollector(Collector):
@@ -227,6 +229,11 @@ class SchedulerCollector(Collector):
         )
         yield _gauge(
             "conveyor:num_steps_inflight", "Micro-batches in the pipeline.", snap.num_inflight
+        )
+        yield _gauge(
+            "conveyor:max_steps_inflight",
+            "Steps the scheduler keeps in flight at most (async: stages + the adaptive lead).",
+            snap.max_inflight,
         )
         yield _gauge(
             "conveyor:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", snap.kv_usage

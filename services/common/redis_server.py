@@ -57,6 +57,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
+def reserve_ports(ports) -> None:
+    """Ports a caller named (a stack's --port, --scheduler-port...): `free_port` never hands
+    them out. Before the child that binds one has, the OS sees it free, and `conveyor up`
+    once gave the router's port to a worker."""
+    with _handed_out_lock:
+        _handed_out.update(p for p in ports if p)
+
+
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
     """PEM files of a TLS redis-server (clients are not asked for certificates)."""

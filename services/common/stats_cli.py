@@ -65,6 +65,9 @@ def stats_to_dict(msg, top: int) -> dict:
         "num_waiting": msg.num_waiting,
         "num_running": msg.num_running,
         "num_inflight": msg.num_inflight,
+        "max_inflight": msg.max_inflight,
+        "async_lead": msg.async_lead,
+        "async_lead_changes": msg.async_lead_changes,
         "num_preempted_total": msg.num_preempted_total,
         "num_steps": msg.num_steps,
         "mean_schedule_us": msg.mean_schedule_us,
@@ -110,6 +113,22 @@ def _speculation(stats: dict) -> str:
     return line
 
 
+def _window(stats: dict) -> str:
+    """The steps the scheduler keeps in flight at most, and why that many."""
+    if not stats["max_inflight"]:
+        return "n/a (the scheduler has not started its pipeline)"
+    most = f"{stats['max_inflight']} steps in flight at most"
+    if stats["async_lead"]:
+        changes = stats["async_lead_changes"]
+        return (
+            f"{most} (P + {stats['async_lead']}: the lead adapts to stage 0's plan waits, "
+            f"changed {changes} time{'s' if changes != 1 else ''})"
+        )
+    if stats["scheduling"] == "async":
+        return f"{most} (--max-inflight)"
+    return most
+
+
 def format_table(stats: dict) -> str:
     """A plain-text table of `stats_to_dict`'s numbers."""
     bubbles = "  ".join(f"stage {i}: {b:.1%}" for i, b in enumerate(stats["bubble_fraction"]))
@@ -130,6 +149,7 @@ def format_table(stats: dict) -> str:
             f"{stats['num_steps']} planned, {stats['num_inflight']} in flight, "
             f"{stats['mean_schedule_us']:.0f} us to plan one",
         ),
+        ("window", _window(stats)),
         (
             "KV blocks",
             f"{stats['num_used_blocks']} / {stats['num_blocks']} used "

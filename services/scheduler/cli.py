@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-inflight",
         type=int,
         default=None,
-        help="steps in flight (default: stages + 1 in async, stages in sync); more in async "
-        "when stage 0 waits for plans (`conveyor stats`: plan wait)",
+        help="steps in flight, fixed (default: stages in sync; in async stages + a lead that "
+        "starts at 1 and grows up to the number of stages, while stage 0 waits for plans "
+        "the window held back; `conveyor stats`: window, plan wait)",
     )
     parser.add_argument(
         "--scheduler-policy",

@@ -98,7 +98,8 @@ class SchedulerConfig:
     """Pipeline stages P, from the workers: a request that sampled at step s is scheduled
     again at step s + P at the earliest."""
     max_inflight: int | None = None
-    """Steps in flight (`--max-inflight`); None: 2P in async mode, P in sync mode."""
+    """Steps in flight, fixed (`--max-inflight`); None: P in sync mode, and in async mode
+    P + a lead that adapts to stage 0's plan waits (services/scheduler/lead.py)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (`--speculative-config`, docs/speculative-decoding.md); None:
     one token per decoding step."""
@@ -300,15 +301,16 @@ class SchedulerConfig:
 
     @property
     def steps_in_flight(self) -> int:
-        """--max-inflight, else P + 1 (async) or P (sync).
+        """--max-inflight, else P + 1 (async) or P (sync): the window of a scheduler's first session.
 
         Async plans each micro-batch's next step one step before it is due: when step s
         reports, step s + P + 1 is planned, while stage 0 still has step s + 1's tokens to
         wait for. One step of lead hides the control plane's round trip whenever that is
         shorter than a stage step; each step more adds a stage step to the wait of a request
-        that arrives while the pipeline is busy (docs/performance.md#steps-in-flight), so a
-        deeper window is an operator's choice (--max-inflight) for a control plane slower
-        than the stages, which stage 0's plan wait shows (`conveyor stats`)."""
+        that arrives while the pipeline is busy (docs/performance.md#steps-in-flight). Without
+        --max-inflight the service grows the lead while stage 0 waits for plans the window
+        held back, and shrinks it again after a quiet stretch; a later session keeps the lead
+        learned (services/scheduler/lead.py)."""
         if self.max_inflight:
             return self.max_inflight
         return self.num_stages + 1 if self.is_async else self.num_stages

@@ -221,6 +221,7 @@ def snapshot(service: SchedulerService) -> SchedulerSnapshot | None:
         num_preemptions=core.num_preemptions,
         num_steps=service.counters.num_steps,
         num_inflight=service.inflight,
+        max_inflight=service.max_inflight,
         kv_usage=stats.usage,
         num_free_blocks=stats.num_free_blocks,
         num_cached_blocks=stats.num_cached_blocks,

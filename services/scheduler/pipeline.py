@@ -9,8 +9,9 @@ turn, so eight stages written one after the other held the loop ~1 ms per plan; 
 writers cost less and never hold it). The queues stay short: at most the steps in flight;
 a writer that finds several plans queued sends them as one message (`following`), so a
 busy scheduler pays one write for several plans.
-The last stage's rank 0 reports the sampled tokens; any worker may report an error, and a
-stream that breaks means a worker is gone: the session (the whole pipeline) is over.
+The last stage's rank 0 reports the sampled tokens; stage 0's rank 0 the plans it waited for
+(async mode); any worker may report an error, and a stream that breaks means a worker is
+gone: the session (the whole pipeline) is over.
 """
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ class StageReport:
 
     stage: int
     report: worker_pb2.StepReport
+
+
+@dataclass(slots=True)
+class PlanWait:
+    """Stage 0 waited for a step's plan (async mode; the scheduler's window grows on it)."""
+
+    step_id: int
+    wait_ns: int
+
+
+_MAX_PLAN_WAIT_NS = 60 * 10**9
+"""A longer wait reported is read as this (the window needs no more to decide)."""
+
+
+def plan_wait_of(report: worker_pb2.StepReport) -> int:
+    """The report's plan wait, bounded (a stage's nonsense cannot push the window beyond
+    its own limit anyway)."""
+    return min(max(0, report.plan_wait_ns), _MAX_PLAN_WAIT_NS)
 
 
 @dataclass(slots=True)
@@ -109,14 +128,17 @@ class Pipeline:
             for c in self._channels
         ]
         self._calls: list[grpc.aio.StreamStreamCall] = []
-        self.reports: asyncio.Queue[StageReport | StageFailure] = asyncio.Queue()
-        """The last stage's reports, and a failure of any stage."""
+        self.reports: asyncio.Queue[StageReport | PlanWait | StageFailure] = asyncio.Queue()
+        """The last stage's reports, stage 0's plan waits and a failure of any stage."""
         self._readers: list[asyncio.Task] = []
         self._outboxes: list[asyncio.Queue[bytes]] = []
         self._writers: list[asyncio.Task] = []
         self.epoch = 0
         self.tp_size = 1
         """Tensor-parallel ranks per stage, as the workers report them (Describe)."""
+        self.reads_plan_waits = True
+        """Whether stage 0's plan waits reach `reports`: the adaptive lead reads them, a
+        fixed window (--max-inflight) has no use for them."""
 
     @property
     def is_open(self) -> bool:
@@ -218,7 +240,9 @@ class Pipeline:
         self._calls = [run(metadata=metadata) for run in self._run]
         reporter = len(self._calls) - self.tp_size  # the last stage's tp rank 0
         self._readers = [
-            asyncio.create_task(self._read(index, call, index == reporter))
+            asyncio.create_task(
+                self._read(index, call, index == reporter, index == 0 and self.reads_plan_waits)
+            )
             for index, call in enumerate(self._calls)
         ]
         self._outboxes = [asyncio.Queue() for _ in self._calls]
@@ -232,7 +256,7 @@ class Pipeline:
         where = f"stage {stage}" if self.tp_size == 1 else f"stage {stage} tp rank {rank}"
         return f"{where} ({self.addresses[index]})"
 
-    async def _read(self, index: int, call, reports_tokens: bool) -> None:
+    async def _read(self, index: int, call, reports_tokens: bool, reports_waits: bool) -> None:
         stage = index // self.tp_size
         try:
             async for report in call:
@@ -240,6 +264,8 @@ class Pipeline:
                     self.reports.put_nowait(StageFailure(report.error, report.step_id))
                 elif reports_tokens:
                     self.reports.put_nowait(StageReport(stage, report))
+                elif reports_waits and report.plan_wait_ns > 0:
+                    self.reports.put_nowait(PlanWait(report.step_id, plan_wait_of(report)))
             self.reports.put_nowait(StageFailure(f"{self._name(index)} ended its stream"))
         except asyncio.CancelledError:
             raise

@@ -175,6 +175,9 @@ async def stats_to_pb(
     msg.num_prefix_queried_tokens = core.block_manager.num_queried_tokens
     msg.num_prefix_hit_tokens = core.block_manager.num_hit_tokens
     msg.num_inflight = service.inflight
+    msg.max_inflight = service.max_inflight
+    if service.lead is not None:
+        msg.async_lead, msg.async_lead_changes = service.lead.lead, service.lead.num_changes
     if core.config.speculative is not None:
         spec = core.spec_stats
         msg.speculative_config = core.config.speculative.to_json()

@@ -43,13 +43,16 @@ from services.common.sampling import SamplingParams
 from services.common.step import StepPlan
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.drafts import DraftClient
+from services.scheduler.lead import Lead
 from services.scheduler.ownership import Tombstones, is_owner
 from services.scheduler.pipeline import (
     Pipeline,
     PipelineBroken,
     PipelineInfo,
+    PlanWait,
     StageFailure,
     StageReport,
+    plan_wait_of,
 )
 from services.scheduler.request import Request
 from services.scheduler.scheduler import PauseMode, Scheduler
@@ -120,6 +123,12 @@ class SchedulerService:
         self._tombstones = Tombstones()
         self._wake = asyncio.Event()
         self._inflight = 0
+        self.lead: Lead | None = None
+        """Async mode without --max-inflight: the window's lead over P, adapting."""
+        self._held_ns = 0
+        """How long the loop last sat idle with a full window and requests unfinished: the
+        window held the next dispatch's plans back that long (the lead counts that much of
+        stage 0's wait for them, services/scheduler/lead.py)."""
         self._writer: asyncio.Task | None = None
         """The write of processed steps in flight (`_write_behind`), or None."""
         self._held: list[TokenDelta] = []
@@ -148,6 +157,13 @@ class SchedulerService:
         return self._inflight
 
     @property
+    def max_inflight(self) -> int:
+        """Steps in flight at most now: --max-inflight, P (sync) or P + the lead (async)."""
+        if self.lead is not None:
+            return self.lead.window
+        return self.config.steps_in_flight
+
+    @property
     def serving(self) -> bool:
         return self.not_serving_reason is None
 
@@ -159,6 +175,9 @@ class SchedulerService:
         self.info = await self.pipeline.wait_ready()
         self._check_stage_weights(self.info.weight_versions)
         self.config = config = self.config.resolved(self.info)
+        if config.is_async and not config.max_inflight:
+            self.lead = Lead(config.num_stages)
+        self.pipeline.reads_plan_waits = self.lead is not None
         spec = config.speculative
         if spec is not None and spec.uses_draft_model:
             security = getattr(self.pipeline, "security", None)
@@ -441,6 +460,7 @@ class SchedulerService:
             except PipelineUnavailable as exc:
                 await self._recover_pipeline(str(exc))
             except StateStoreError as exc:
+                self._held_ns = 0  # the store, not the window, held plans back
                 self._store_failed(exc)
                 await asyncio.sleep(0.5)
 
@@ -450,7 +470,10 @@ class SchedulerService:
         scheduler = self.scheduler
         is_async = self.config.is_async
         observer = self.observer
-        max_inflight = self.config.steps_in_flight
+        max_inflight = self.max_inflight
+        lead, held_ns = self.lead, 0
+        if self._inflight < max_inflight:  # the window lets plans out: its hold ends here
+            held_ns, self._held_ns = self._held_ns, 0
         while self._inflight < max_inflight and scheduler.has_unfinished:
             if observer is not None:
                 observer.begin_step(scheduler.next_step_id)
@@ -468,6 +491,8 @@ class SchedulerService:
                 break
             self.counters.num_steps += 1
             self._inflight += 1
+            if lead is not None:
+                lead.planned(plan.step_id, held_ns)
             self._step_requests[plan.step_id] = [
                 r.request_id for r in (*plan.new_requests, *plan.cached_requests)
             ]
@@ -479,6 +504,8 @@ class SchedulerService:
     async def _wait_and_process(self) -> None:
         reports = self.pipeline.reports
         if reports.empty():
+            is_full = self._inflight >= self.max_inflight and self.scheduler.has_unfinished
+            idle_since = time.monotonic_ns()
             self._wake.clear()
             getter = asyncio.ensure_future(reports.get())
             waker = asyncio.ensure_future(self._wake.wait())
@@ -490,6 +517,9 @@ class SchedulerService:
                 {getter, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             waker.cancel()
+            # A full window kept the loop from planning all this time (a wake for a new
+            # request while full adds to it); idle for want of work, nothing was held.
+            self._held_ns = self._held_ns + time.monotonic_ns() - idle_since if is_full else 0
             if getter not in done:
                 getter.cancel()
                 return
@@ -518,10 +548,19 @@ class SchedulerService:
             logger.warning("tokens before the pipeline broke not persisted yet: %s", exc)
         raise broken
 
-    def _apply(self, item: StageReport | StageFailure) -> None:
+    def _apply(self, item: StageReport | PlanWait | StageFailure) -> None:
+        lead = self.lead
+        if isinstance(item, PlanWait):
+            if lead is not None:
+                lead.waited(item.step_id, item.wait_ns)
+            return
         if isinstance(item, StageFailure):
             raise PipelineBroken(item.message, self._step_requests.get(item.step_id))
         report = item.report
+        if lead is not None:
+            if item.stage == 0 and report.plan_wait_ns > 0:  # one stage: first and last
+                lead.waited(report.step_id, plan_wait_of(report))
+            lead.reported(report.step_id, time.monotonic_ns())
         self._step_requests.pop(report.step_id, None)
         self._inflight -= 1
         self.counters.num_reports += 1
@@ -708,6 +747,9 @@ class SchedulerService:
     # ------------------------------------------------------------------ failures
     async def _open_session(self) -> None:
         self._inflight = 0
+        self._held_ns = 0
+        if self.lead is not None:
+            self.lead.reset()
         await self.pipeline.open()
         self._is_pipeline_whole = True
         self._update_health()

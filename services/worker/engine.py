@@ -7,7 +7,8 @@ on a dedicated compute thread:
     stage i:   recv hidden → layers → send
     last:      recv hidden → layers → logits → sample → [async: send tokens to stage 0] → report
 
-Only the last stage reports each step; other stages report only failures. Every stage keeps
+Only the last stage reports each step; other stages report failures, and stage 0 in async
+mode a step whose plan came late (the scheduler's window grows on those). Every stage keeps
 a timeline (compute start/end and the time it waited for another stage) for the bubble.
 """
 
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 _MAX_TIMELINE = 200_000
 # Gaps longer than this between two steps mean the pipeline had no work, not a bubble.
 _IDLE_GAP_NS = 500_000_000
+PLAN_WAIT_REPORTED = 0.02
+"""Stage 0 tells the scheduler of a plan wait longer than this share of its previous step
+(shorter ones are noise to the scheduler's window, services/scheduler/lead.py)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +64,9 @@ class StepOutcome:
     record: StepRecord | None
     result: StepResult | None = None
     error: str | None = None
+    plan_wait_ns: int = 0
+    """Stage 0, async plans: the step's plan wait when the scheduler should hear of it
+    (more than `PLAN_WAIT_REPORTED` of a step); 0 otherwise."""
 
 
 @dataclass(slots=True)
@@ -82,7 +89,9 @@ class _Session:
     registered_at: dict[str, int] = field(default_factory=dict)
     """Stage 0: the step a request was last sent whole (older tokens are stale)."""
     last_end_ns: int = 0
-    """When this stage's last step with requests ended (its next plan's wait counts from)."""
+    """When this stage's last step ended (its next plan's wait counts from)."""
+    last_step_ns: int = 0
+    """How long its last step with requests took (start of its compute to its end)."""
 
 
 class Timeline:
@@ -222,9 +231,25 @@ class StageEngine:
                 outcome = StepOutcome(plan.step_id, None, error=session.broken)
             if outcome is None:  # stale
                 return
-            if outcome.record is not None and plan.num_requests:
-                session.last_end_ns = outcome.record.end_ns
+            record = outcome.record
+            if record is not None:
+                if plan.num_requests:
+                    if tokens_from_last_stage and self.transport.is_first:
+                        outcome.plan_wait_ns = self._reported_wait(session, record)
+                    session.last_step_ns = record.end_ns - record.start_ns
+                session.last_end_ns = record.end_ns
             session.on_outcome(outcome)
+
+    @staticmethod
+    def _reported_wait(session: _Session, record: StepRecord) -> int:
+        """Stage 0's plan wait as the scheduler's window should hear of it: 0 when it was a
+        sliver of a step, or when the step then waited for the last stage's tokens for half
+        as long again (they came after the plan: with the plan there sooner, the step could
+        not have started sooner)."""
+        plan_wait = record.plan_wait_ns
+        if plan_wait <= PLAN_WAIT_REPORTED * session.last_step_ns or 2 * record.wait_ns > plan_wait:
+            return 0
+        return plan_wait
 
     def _execute(
         self,

@@ -34,6 +34,7 @@ def outcome_to_pb(outcome: StepOutcome, stage: int) -> worker_pb2.StepReport:
         report.compute_start_ns = outcome.record.start_ns
         report.compute_end_ns = outcome.record.end_ns
         report.wait_ns = outcome.record.wait_ns
+    report.plan_wait_ns = outcome.plan_wait_ns
     result = outcome.result
     if result is not None:
         report.request_ids.extend(result.request_ids)
@@ -159,12 +160,14 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             reports: asyncio.Queue = asyncio.Queue()
             # The last stage's tp rank 0 reports tokens; its peers hold the same ones.
             reports_tokens = self.engine.transport.is_last and self.tp_rank == 0
+            # Stage 0's rank 0 reports the plans it waited for (async: the scheduler's window).
+            reports_waits = self.engine.transport.is_first and self.tp_rank == 0
             observer = self.observer
 
             def on_outcome(outcome: StepOutcome) -> None:
                 if observer is not None:
                     observer.on_outcome(outcome)
-                if reports_tokens or outcome.error:
+                if reports_tokens or outcome.error or (reports_waits and outcome.plan_wait_ns):
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
             metadata = dict(context.invocation_metadata() or ())

@@ -26,6 +26,7 @@ def _point(
         "plan_wait_fraction": [b / 2 for b in bubbles],
         "mean_schedule_us": 250.0,
         "plans_per_s": 800.0,
+        "max_inflight": stages if scheduling == "sync" else 2 * stages,
     }
     return sx.Point("short", "burst", stages, scheduling, step_ms, result)
 
@@ -43,7 +44,8 @@ def test_experiment_table_pairs_sync_and_async_of_the_same_shape():
     ]
     table = sx.experiment_table(points)
     assert "short burst P=2        1.30  0.75  0.90" in table
-    assert table.splitlines()[3].split()[-2:] == ["4%-5%", "2%"]  # stage 0's plan wait
+    # stage 0's plan wait, and the window async's lead adapted to
+    assert table.splitlines()[3].split()[-3:] == ["4%-5%", "2%", "4"]
     assert "P=4" not in table.split("async vs sync")[1]  # no async run of P=4 to pair
 
 
@@ -68,7 +70,7 @@ def test_sweep_table_shows_both_bubbles_and_the_plan_rate():
     ]
     row = sx.sweep_table(points).splitlines()[-1].split()
     assert row[:6] == ["8", "2", "30%-30%", "4%-4%", "1.40", "0.72"]
-    assert row[-4:] == ["n/a", "2%", "250", "800"]  # no timeline: no round trip
+    assert row[-5:] == ["n/a", "2%", "16", "250", "800"]  # no timeline: no round trip
 
 
 def _slice(stage: int, step_id: int, start_ms: float, dur_ms: float) -> dict:
@@ -90,7 +92,8 @@ def test_round_trip_is_last_stage_end_to_stage_0_start_p_steps_later(tmp_path):
     sync = _point(2, "sync", 300.0, 60.0, [0.3] * 2, step_ms=10.0)
     sync.result["trace"] = str(path)
     points = [sync, _point(2, "async", 420.0, 43.0, [0.04] * 2, step_ms=10.0)]
-    assert sx.sweep_table(points).splitlines()[-1].split()[-4:] == ["4.00", "2%", "250", "800"]
+    row = sx.sweep_table(points).splitlines()[-1].split()
+    assert row[-5:] == ["4.00", "2%", "4", "250", "800"]
 
 
 def test_median_run_keeps_one_whole_run_and_the_range():

@@ -44,3 +44,28 @@ def test_real_ports_are_distinct_and_bindable():
     assert len(set(ports)) == 50
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_port_the_command_line_names_is_never_handed_out(monkeypatch):
+    """The router binds its --port only after the workers got theirs: the OS still offers
+    it meanwhile (a CI run once gave stage 0 the router's port)."""
+    import argparse
+
+    from services.common.redis_server import reserve_ports
+    from services.launcher import _named_ports
+
+    monkeypatch.setattr(redis_server, "_handed_out", set())
+    args = argparse.Namespace(
+        port=41000,
+        http_port=41001,
+        scheduler_port=41010,
+        pipelines=2,
+        stages=2,
+        tensor_parallel_size=1,
+        metrics_port=None,
+    )
+    assert _named_ports(args) == [41000, 41001, 41010, 41011]
+    reserve_ports(_named_ports(args))
+    offered = _OfferedPorts([41000, 41001, 41010, 41011, 41002])
+    monkeypatch.setattr(redis_server.socket, "socket", offered)
+    assert free_port() == 41002

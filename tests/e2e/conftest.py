@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.processes import stop_process
+from tests.processes import logged_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    try:
+    with logged_process(proc, log):
         wait_serving(f"127.0.0.1:{port}", 600, proc)
         yield StackInfo(
             f"127.0.0.1:{port}",
@@ -70,10 +70,3 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
             Path(smollm2_dir),
             f"127.0.0.1:{http_port}",
         )
-    except BaseException:
-        log.flush()
-        print(Path(log.name).read_text()[-5000:], file=sys.stderr)
-        raise
-    finally:
-        stop_process(proc)
-        log.close()

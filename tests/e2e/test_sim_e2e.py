@@ -27,7 +27,7 @@ from services.worker.sim.profiles import load_profile
 from services.worker.sim.timing import StageTimingModel
 from services.worker.sim.tokens import TokenSource
 from tests.conftest import free_port
-from tests.processes import stop_process
+from tests.processes import logged_process
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +51,9 @@ def sim_stack(tmp_path_factory):
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with logged_process(proc, log):
         wait_serving(f"127.0.0.1:{port}", 300, proc)
         yield f"127.0.0.1:{port}", f"127.0.0.1:{scheduler_port}"
-    except BaseException:
-        log.flush()
-        print(Path(log.name).read_text()[-5000:], file=sys.stderr)
-        raise
-    finally:
-        stop_process(proc)
-        log.close()
 
 
 def test_sim_stack_streams_each_request_its_sim_tokens(sim_stack):
@@ -242,3 +235,54 @@ def test_session_checks_owners_refuses_bad_commands_and_aborts(sim_stack):
     assert len(_tokens(ended[5])) == last.offset + len(last.token_ids)  # resumed from 0
     assert len(_tokens(again[6])) == 3
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and "stream_id 6" in error.details()
+
+
+def test_async_window_grows_while_stage_0_waits_for_plans(tmp_path):
+    """Two simulated stages that take no time, over real gRPC and gloo: stage 0 ends each
+    step before the scheduler's next plan reaches it, reports the waits on its Run stream,
+    and the scheduler plans further ahead (at most 2P in flight); `GetStats` and `conveyor
+    stats` say so, and every request still gets exactly its tokens."""
+    from services.common.stats_cli import format_table, stats_to_dict
+    from services.launcher import wait_serving
+    from tests.pipeline.test_sim import instant_profile
+
+    port, scheduler_port = free_port(), free_port()
+    log = (tmp_path / "conveyor-up.log").open("w")
+    argv = [
+        *(sys.executable, "-m", "services.cli", "up", "--no-http", "--model", str(MODEL_DIR)),
+        *("--stages", "2", "--device", "sim", "--sim-profile", instant_profile(tmp_path)),
+        *("--port", str(port), "--scheduler-port", str(scheduler_port)),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    router = f"127.0.0.1:{port}"
+    config = ModelConfig.from_dir(MODEL_DIR)
+    source = TokenSource.from_model_dir(MODEL_DIR, config.vocab_size, config.eos_token_ids)
+
+    async def main():
+        async with AsyncConveyorClient(router, timeout_s=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.complete(p, max_tokens=160, ignore_eos=True, seed=7 + i)
+                    for i, p in enumerate(PROMPTS[:8])
+                )
+            )
+
+    with logged_process(proc, log):
+        wait_serving(router, 300, proc)
+        results = asyncio.run(main())
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=30
+            )
+        for i, (prompt, result) in enumerate(zip(PROMPTS, results, strict=False)):
+            sampling = SamplingParams(max_tokens=160, ignore_eos=True, seed=7 + i)
+            expected = source.expected_tokens(_tokenize(router, prompt), sampling, 160)
+            assert result.token_ids == expected
+        assert stats.scheduling == "async"
+        assert stats.async_lead_changes >= 1
+        assert 1 < stats.async_lead <= 2
+        assert stats.max_inflight == 2 + stats.async_lead
+        assert stats.plan_wait_fraction[0] > 0
+        table = format_table(stats_to_dict(stats, top=0))
+        assert f"{stats.max_inflight} steps in flight at most (P + {stats.async_lead}" in table

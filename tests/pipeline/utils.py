@@ -30,7 +30,7 @@ from services.common.proto.conveyor.v1 import worker_pb2
 from services.common.sampling import SamplingParams
 from services.common.step import StepPlan, TokenLogprobs
 from services.scheduler.config import PipelineInfo, SchedulerConfig
-from services.scheduler.pipeline import StageFailure, StageReport
+from services.scheduler.pipeline import PlanWait, StageFailure, StageReport
 from services.scheduler.service import SchedulerService
 from services.scheduler.state import TokenDelta
 from services.scheduler.store import RedisStateStore
@@ -164,6 +164,9 @@ class LocalPipeline:
         """Set at the first stage error: the service would re-queue and retry forever, and
         a test waiting for tokens would hang instead of failing."""
         self.num_sessions = 0
+        self.reads_plan_waits = True
+        self.plan_waits: list[tuple[int, int]] = []
+        """(step, ns) of every plan wait stage 0 reported (async plans that came late)."""
         self.events: list[tuple[str, int]] = []
         """("plan", step) as plans are sent and ("report", step) as reports arrive."""
 
@@ -211,6 +214,11 @@ class LocalPipeline:
                 self.results.append(report)
                 self.events.append(("report", report.step_id))
                 loop.call_soon_threadsafe(reports.put_nowait, StageReport(stage, report))
+            elif stage == 0 and outcome.plan_wait_ns:  # as a worker's Run stream reports it
+                self.plan_waits.append((outcome.step_id, outcome.plan_wait_ns))
+                if self.reads_plan_waits:
+                    wait = PlanWait(outcome.step_id, outcome.plan_wait_ns)
+                    loop.call_soon_threadsafe(reports.put_nowait, wait)
 
         return on_outcome
 

@@ -33,6 +33,10 @@ def run_rank(model_dir: str, rank: int, size: int, store_path: str, out_path: st
     runner = StageRunner(model, KVCache(spec, 64))
     outputs, logits = greedy(runner, TinyPlanner, make_prompts, run_plans)
     torch.save({"outputs": outputs, "logits": logits, "bytes_read": bytes_read}, out_path)
+    # Both ranks are done before either lets go of the group: a gloo group still alive at
+    # interpreter exit can abort the process (SIGABRT) while its threads are torn down.
+    model.tp.group.barrier().wait()
+    model.tp.group.shutdown()
 
 
 def greedy(runner, planner_cls, make_prompts, run_plans):

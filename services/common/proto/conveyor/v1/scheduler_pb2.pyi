@@ -186,7 +186,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_timelines: _Optional[bool] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "speculative_config", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length", "num_draft_calls", "num_draft_failures", "draft_problem", "plan_wait_fraction")
+    __slots__ = ("num_waiting", "num_running", "num_preempted_total", "num_blocks", "num_free_blocks", "num_cached_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "num_stages", "serving", "scheduling", "num_inflight", "bubble_fraction", "num_steps", "mean_schedule_us", "request_blocks", "block_size", "not_serving_reason", "cpu_seconds", "paused", "pause_mode", "weight_version", "num_weight_updates", "pipeline_id", "num_prefix_queried_tokens", "num_prefix_hit_tokens", "speculative_config", "num_spec_steps", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length", "num_draft_calls", "num_draft_failures", "draft_problem", "plan_wait_fraction", "max_inflight", "async_lead", "async_lead_changes")
     class RequestBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,9 @@ class SchedulerStats(_message.Message):
     NUM_DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     PLAN_WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_LEAD_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_LEAD_CHANGES_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preempted_total: int
@@ -268,7 +271,10 @@ class SchedulerStats(_message.Message):
     num_draft_failures: int
     draft_problem: str
     plan_wait_fraction: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., speculative_config: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., num_draft_calls: _Optional[int] = ..., num_draft_failures: _Optional[int] = ..., draft_problem: _Optional[str] = ..., plan_wait_fraction: _Optional[_Iterable[float]] = ...) -> None: ...
+    max_inflight: int
+    async_lead: int
+    async_lead_changes: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_stages: _Optional[int] = ..., serving: _Optional[bool] = ..., scheduling: _Optional[str] = ..., num_inflight: _Optional[int] = ..., bubble_fraction: _Optional[_Iterable[float]] = ..., num_steps: _Optional[int] = ..., mean_schedule_us: _Optional[float] = ..., request_blocks: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., not_serving_reason: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ..., weight_version: _Optional[int] = ..., num_weight_updates: _Optional[int] = ..., pipeline_id: _Optional[str] = ..., num_prefix_queried_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., speculative_config: _Optional[str] = ..., num_spec_steps: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., num_draft_calls: _Optional[int] = ..., num_draft_failures: _Optional[int] = ..., draft_problem: _Optional[str] = ..., plan_wait_fraction: _Optional[_Iterable[float]] = ..., max_inflight: _Optional[int] = ..., async_lead: _Optional[int] = ..., async_lead_changes: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "submit", "resume", "abort", "cancel", "traceparent")

@@ -123,7 +123,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., tokens_from_last_stage: _Optional[bool] = ..., trace_parent: _Optional[str] = ..., following: _Optional[_Iterable[_Union[StepPlan, _Mapping]]] = ..., decode_request_ids: _Optional[_Iterable[str]] = ..., decode_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step_id", "stage", "request_ids", "token_ids", "logprobs", "logprobs_index", "compute_start_ns", "compute_end_ns", "wait_ns", "error")
+    __slots__ = ("step_id", "stage", "request_ids", "token_ids", "logprobs", "logprobs_index", "compute_start_ns", "compute_end_ns", "wait_ns", "error", "plan_wait_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class StepReport(_message.Message):
     COMPUTE_END_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PLAN_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     stage: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -144,7 +145,8 @@ class StepReport(_message.Message):
     compute_end_ns: int
     wait_ns: int
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., stage: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., logprobs_index: _Optional[_Iterable[int]] = ..., compute_start_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    plan_wait_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., stage: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., logprobs_index: _Optional[_Iterable[int]] = ..., compute_start_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., error: _Optional[str] = ..., plan_wait_ns: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

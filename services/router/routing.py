@@ -16,7 +16,11 @@ so a prompt whose prefix one pipeline holds goes there until that pipeline's ext
 costs more than recomputing the prefix elsewhere would: one hot prefix spills over instead of
 piling onto one pipeline. The hashes are salted with the tenant (the prefix cache is shared
 within a tenant only), so a tenant's requests stick to the pipelines that hold its prefixes.
-Ties go round-robin.
+Ties go round-robin, and a cost within one stream's load (`w`) of the least is a tie: the
+router knows a load to one stream at best (an announcement lags, and counts streams of other
+routers that may have ended since), and a stale stream on one pipeline must not send every
+new prefix to the other for as long as the announcement stands (its prefix cache would
+evict what it holds while the first one's sat unused).
 """
 
 from __future__ import annotations
@@ -151,7 +155,9 @@ class Router:
             hashes = hashes_for(view)
             return len(hashes) - self.matched_blocks(view, hashes) + self.load_weight * view.load
 
-        best = min(rotated, key=cost)
+        costs = [cost(v) for v in rotated]
+        within = min(costs) + self.load_weight  # one stream's load more still ties
+        best = next(v for v, c in zip(rotated, costs, strict=True) if c <= within)
         self.local.add(best.key, hashes_for(best))
         return best
 

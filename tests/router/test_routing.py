@@ -91,6 +91,24 @@ def test_stale_queue_does_not_steer_new_prompts_of_one_client():
     assert picked == ["a", "b"] * 3
 
 
+def test_another_routers_ended_stream_does_not_steer_new_prompts():
+    """`b` announced one stream queued, another router's, which has ended since (this
+    router cannot know): new prefixes of one client still alternate, and do not all go to
+    `a` until `b` announces again (a CI run's prefix caches thrashed on that)."""
+    router = Router("prefix")
+    a, b, _ = pool = views(c={"serving": False})
+    b.announced(num_queued=1, written_at=0.0)
+    picked = [router.choose(pool, list(range(100 * i, 100 * i + 40)), SALT).key for i in range(6)]
+    assert picked == ["a", "b"] * 3
+
+
+def test_a_pipeline_loaded_by_two_streams_more_gets_new_prefixes_elsewhere():
+    router = Router("prefix")
+    pool = views(b={"num_inflight": 2}, c={"serving": False})
+    picked = [router.choose(pool, list(range(100 * i, 100 * i + 40)), SALT).key for i in range(4)]
+    assert picked == ["a"] * 4
+
+
 def test_prefix_hashes_equal_the_scheduler_cache():
     """The router's hashes of a prompt are the ones the scheduler's cache registers."""
     prompt = list(range(100, 123))  # 23 tokens: 5 full blocks, the walk looks at 5

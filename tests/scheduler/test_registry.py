@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from services.common.pipelines import Announcement, read_announcements
+from services.common.pipelines import Announcement, announcement_key, read_announcements
 from services.common.sampling import SamplingParams
 from services.scheduler.registry import PipelineRegistry
 from services.scheduler.request import Request, RequestStatus
@@ -32,6 +32,14 @@ def announce(registry: PipelineRegistry, serving: bool, ttl_s: float = 5.0, **fi
     for name, value in fields.items():
         setattr(ann, name, value)
     registry.announce(ann, ttl_s)
+
+
+def expire_announcement(client, pipeline_id: str) -> None:
+    """`pipeline_id`'s announcement expires now, as a TTL does when its scheduler stops
+    announcing (a short TTL and a sleep raced a starved test process)."""
+    client.pexpire(announcement_key(pipeline_id), 1)
+    while client.exists(announcement_key(pipeline_id)):
+        time.sleep(0.005)
 
 
 def test_announcement_round_trips_with_its_prefix_hashes(redis_url, client):
@@ -76,10 +84,10 @@ def test_expired_pipeline_is_adopted_and_its_writes_are_fenced(redis_url, client
     lost_store.add(request("a"))
     lost_store.apply([RequestUpdate("a", RequestStatus.RUNNING, offset=0, token_ids=[7, 8])])
     lost, adopter = PipelineRegistry(redis_url, "p1"), PipelineRegistry(redis_url, "p0")
-    announce(lost, True, ttl_s=0.2)
+    announce(lost, True)
     announce(adopter, True)
     assert adopter.adopt("p1", grace_s=60) == []  # still announced and serving
-    time.sleep(0.3)
+    expire_announcement(client, "p1")
     assert adopter.lost_pipelines(grace_s=60) == ["p1"]
     assert adopter.adopt("p1", grace_s=60) == ["a"]
     assert adopter.adopt("p1", grace_s=60) == []  # taken once only
@@ -107,8 +115,8 @@ def test_a_lost_scheduler_back_streams_none_of_the_tokens_it_could_not_write(red
     plan = scheduler.schedule()
     scheduler.process_result(StepResult(plan.step_id, ["a", "b"], [10, 20]))
     lost, adopter = PipelineRegistry(redis_url, "p1"), PipelineRegistry(redis_url, "p0")
-    announce(lost, True, ttl_s=0.2)
-    time.sleep(0.3)
+    announce(lost, True)
+    expire_announcement(client, "p1")
     assert adopter.adopt("p1", grace_s=60) == ["a", "b"]
     client.hset(meta_key("b"), "owner", "p1")  # b stays the lost one's (as if never moved)
     outputs = scheduler.outputs
@@ -124,10 +132,11 @@ def test_not_serving_pipeline_is_adopted_after_the_grace_only(redis_url, client)
     RedisStateStore(redis_url, pipeline_id="p1").add(request("a"))
     lost, adopter = PipelineRegistry(redis_url, "p1"), PipelineRegistry(redis_url, "p0")
     announce(lost, False)
-    assert adopter.adopt("p1", grace_s=0.5) == []
-    time.sleep(0.6)
+    assert adopter.adopt("p1", grace_s=60) == []
+    since = float(client.hget(announcement_key("p1"), "not_serving_since"))
+    client.hset(announcement_key("p1"), "not_serving_since", repr(since - 61))  # a minute ago
     announce(lost, False)  # still NOT_SERVING: the first time counts
-    assert adopter.adopt("p1", grace_s=0.5) == ["a"]
+    assert adopter.adopt("p1", grace_s=60) == ["a"]
     assert client.smembers("conveyor:pipelines") == {b"p1"}  # announced: it stays listed
 
 

@@ -193,7 +193,9 @@ def own_redis(tmp_path):
 def test_store_outage_mid_run_loses_and_duplicates_nothing(own_redis):
     proc, url = own_redis
     config = make_config(num_stages=1, max_num_seqs=4)
-    store = RedisStateStore(url, timeout_s=0.3)
+    # the paused write times out whatever the timeout; a short one would fail a write after
+    # SIGCONT too on a starved host
+    store = RedisStateStore(url, timeout_s=2.0)
     scheduler = Scheduler(config, store)
     requests = _requests()[:4]
     for request in requests:

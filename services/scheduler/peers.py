@@ -88,8 +88,11 @@ class PipelinePeers:
     async def _let_go(self) -> None:
         store, core = self.service.store, self.service.scheduler
         moved = store.take_moved()
-        if not self.service.serving and core is not None:
-            # Nothing is stepped, so no write is refused: ask Redis who owns what we hold.
+        if core is not None and (moved or not self.service.serving):
+            # An adoption takes every unfinished request of a pipeline at once, so one
+            # refused write means the rest may be gone too, written or not (a waiting one
+            # writes nothing); while NOT_SERVING nothing is stepped and nothing is refused.
+            # Either way, ask Redis who owns what we hold.
             moved.update(core.requests)
         if not moved:
             return

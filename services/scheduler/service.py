@@ -348,12 +348,15 @@ class SchedulerService:
         this one was NOT_SERVING too long; their streams end naming where to resume."""
         for request_id, owner_pipeline_id in owners.items():
             request = self.scheduler.release(request_id) if self.scheduler else None
-            if request is None:
+            # One that finished here since has streamed nothing of its refused tokens and
+            # end: its streams are still open and must hear where it went.
+            queues = self._subscribers.pop(request_id, ())
+            if request is None and not queues:
                 continue
             logger.warning("%s was adopted by pipeline %s: dropped", request_id, owner_pipeline_id)
-            moved = TokenDelta(request_id, [], request.num_output_tokens, None)
+            moved = TokenDelta(request_id, [], request.num_output_tokens if request else 0, None)
             moved.owner_pipeline_id = owner_pipeline_id
-            for queue in self._subscribers.pop(request_id, ()):
+            for queue in queues:
                 queue.put_nowait(moved)
             self._orphaned_at.pop(request_id, None)
         self._wake.set()

@@ -11,11 +11,14 @@ import asyncio
 import threading
 
 import pytest
+import redis
 import torch
 
 from services.common.sampling import SamplingParams
 from services.models.tiny import make_tiny_model
+from services.scheduler.peers import PipelinePeers
 from services.scheduler.request import RequestStatus
+from services.scheduler.store import meta_key
 from tests.pipeline.utils import InProcessStack, Outcome
 from tests.worker.utils import compare_greedy, hf_greedy, make_prompts
 
@@ -328,6 +331,94 @@ def test_an_abort_behind_a_write_in_flight_ends_the_stream_after_the_written_tok
     assert logged_tokens == aborted.token_ids
     assert logged_state is RequestStatus.FINISHED_ABORTED
     assert other.token_ids == ref_tokens[1] and other.finish_reason == "length"
+    assert_whole(stack)
+
+
+def adopt_elsewhere(stack: InProcessStack, request_ids: list[str]) -> None:
+    """What another pipeline's adoption does to these requests in Redis (registry.py): their
+    owner is that pipeline now, so this one's writes to them are refused (MOVED)."""
+    client = redis.Redis.from_url(stack.redis_url)
+    for request_id in request_ids:
+        client.hset(meta_key(request_id), "owner", "p-adopter")
+
+
+async def let_go(stack: InProcessStack) -> None:
+    """One pass of the peers task's letting go (services/scheduler/peers.py)."""
+    await PipelinePeers(stack.service, registry=None, address="")._let_go()
+
+
+async def read_moved(stack: InProcessStack, deltas: asyncio.Queue, outcome: Outcome) -> Outcome:
+    """Reads `deltas` to the one that names the new owner; the tokens before it are the
+    store's (none of the refused ones)."""
+    while True:
+        delta = await stack._next(deltas)
+        if delta.owner_pipeline_id is not None:
+            assert not delta.token_ids and delta.finish_reason is None
+            outcome.last_delta = delta
+            return outcome
+        assert delta.offset == len(outcome.token_ids), "a delta skips or repeats tokens"
+        outcome.token_ids.extend(delta.token_ids)
+
+
+def test_a_request_adopted_elsewhere_that_finished_here_still_ends_its_stream(model, redis_url):
+    """A pipeline judged lost while only stalled steps on: its writes are refused and their
+    tokens never streamed. A request that finishes here before the peers task lets go has
+    left the scheduler, yet its stream must end naming the new owner (left open, it hung to
+    its deadline: tests/scaleout's stalled pipeline)."""
+    model_dir, prompts, ref_tokens, _ = model
+
+    async def main():
+        async with InProcessStack(model_dir, 2, "async", redis_url) as stack:
+            _, deltas = stack.submit(prompts[0], greedy(), "r0")
+            seen = await stack.collect(deltas, num_tokens=2)
+            adopt_elsewhere(stack, ["r0"])
+            while "r0" in stack.service.scheduler.requests:  # it finishes here, unwritten
+                await asyncio.sleep(0.01)
+            await let_go(stack)
+            return stack, await read_moved(stack, deltas, seen), stack.store.read_tokens("r0")
+
+    stack, outcome, logged = asyncio.run(main())
+    assert outcome.last_delta.owner_pipeline_id == "p-adopter"
+    assert outcome.token_ids == logged == ref_tokens[0][: len(logged)]
+    assert len(logged) < NUM_NEW
+    assert_whole(stack)
+
+
+def test_one_refused_write_lets_go_of_every_request_adopted_even_the_waiting(model, redis_url):
+    """An adoption takes all of a pipeline's unfinished requests at once. The first refused
+    write lets go of every one the adopter owns, also one still waiting here, which writes
+    nothing to be refused: both streams end naming the adopter, and nothing runs here."""
+    model_dir, prompts, _, _ = model
+    refused = threading.Event()
+
+    async def main():
+        async with InProcessStack(model_dir, 1, "async", redis_url, max_num_seqs=1) as stack:
+            apply = stack.store.apply
+
+            def noted_apply(updates):
+                moved = apply(updates)
+                if moved:
+                    refused.set()
+                return moved
+
+            stack.store.apply = noted_apply
+            _, running = stack.submit(prompts[0], greedy(max_tokens=200), "r0")
+            _, waiting = stack.submit(prompts[1], greedy(), "r1")
+            seen = await stack.collect(running, num_tokens=2)
+            adopt_elsewhere(stack, ["r0", "r1"])
+            while not refused.is_set():
+                await asyncio.sleep(0.005)
+            await let_go(stack)
+            outcomes = (
+                await read_moved(stack, running, seen),
+                await read_moved(stack, waiting, Outcome()),
+            )
+            return stack, outcomes
+
+    stack, (running, waiting) = asyncio.run(main())
+    assert running.last_delta.owner_pipeline_id == waiting.last_delta.owner_pipeline_id
+    assert waiting.token_ids == []
+    assert stack.service.scheduler.requests == {}
     assert_whole(stack)
 
 

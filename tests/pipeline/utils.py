@@ -275,6 +275,7 @@ class InProcessStack:
         `wrap_transport(transport, runner)` each stage's in-memory transport."""
         url = redis_url.rsplit("/", 1)[0] + f"/{_REDIS_DB}"
         redis.Redis.from_url(url).flushdb()  # no request of another test is recovered
+        self.redis_url = url
         self.store = RedisStateStore(url)
         self.hub = LocalHub()
         self.runners = runners or make_runners(model_dir, num_stages, block_size, num_blocks)

@@ -83,6 +83,10 @@ def delta_from_pb(msg: scheduler_pb2.TokenDelta, next_offset: int) -> SchedulerD
     )
 
 
+MAX_LATE_HEALTH_CHECKS = 3
+"""Health checks in a row that may time out before the router takes a scheduler for down."""
+
+
 class SchedulerClient:
     """One channel and one session to the scheduler, shared by every request of a router."""
 
@@ -102,6 +106,10 @@ class SchedulerClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._session: SchedulerSession | None = None
         self._closed = False
+        self._serving = False
+        """The last health verdict (`is_serving`)."""
+        self._num_late = 0
+        """Health checks timed out in a row."""
 
     def _current(self) -> SchedulerSession:
         """The open session, or a new one (the last one ended)."""
@@ -118,14 +126,23 @@ class SchedulerClient:
         await self._channel.close()
 
     async def is_serving(self, timeout_s: float = 1.0) -> bool:
-        """True when the scheduler answers its health check with SERVING."""
+        """True when the scheduler answers its health check with SERVING. A check that
+        times out keeps the last answer until `MAX_LATE_HEALTH_CHECKS` time out in a row
+        (a scheduler on a starved host answers late, and is alive); a refused connection
+        or NOT_SERVING is believed at once."""
         try:
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=self._metadata
             )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            is_late = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            self._num_late = self._num_late + 1 if is_late else 0
+            if not is_late or self._num_late >= MAX_LATE_HEALTH_CHECKS:
+                self._serving = False
+            return self._serving
+        self._num_late = 0
+        self._serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return self._serving
 
     def open(self, command: scheduler_pb2.SessionRequest) -> SessionStream:
         """Sends a submit or resume on the session (a new one if the last ended)."""

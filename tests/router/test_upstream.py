@@ -1,12 +1,17 @@
-"""A scheduler's TokenDelta as the router's relay takes it (services/router/upstream.py)."""
+"""A scheduler's TokenDelta as the router's relay takes it, and its health as the router
+reads it (services/router/upstream.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import RequestFailed
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2
-from services.router.upstream import delta_from_pb
+from services.router.upstream import MAX_LATE_HEALTH_CHECKS, SchedulerClient, delta_from_pb
 
 
 def test_tokens_already_delivered_are_dropped():
@@ -29,3 +34,48 @@ def test_a_move_without_tokens_stays_where_the_stream_is():
     msg = scheduler_pb2.TokenDelta(offset=10, owner_pipeline_id="p0")
     delta = delta_from_pb(msg, 2)
     assert (delta.offset, delta.token_ids, delta.finish_reason) == (2, [], None)
+
+
+class LateHealth(health_pb2_grpc.HealthServicer):
+    """A scheduler's health service that answers `status` after `delay_s`."""
+
+    def __init__(self):
+        self.delay_s = 0.0
+        self.status = health_pb2.HealthCheckResponse.SERVING
+
+    async def Check(self, request, context):  # noqa: N802 - the gRPC method's name
+        await asyncio.sleep(self.delay_s)
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+
+def test_a_late_health_answer_is_not_taken_for_a_scheduler_down():
+    """Real gRPC on loopback. Health checks that time out keep the last verdict until
+    MAX_LATE_HEALTH_CHECKS do in a row (a starved scheduler is slow, not gone; one missed
+    poll marked it down and turned the router NOT_SERVING); NOT_SERVING and a refused
+    connection count at once."""
+
+    async def main():
+        servicer = LateHealth()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        verdicts = [await client.is_serving(0.2)]
+        servicer.delay_s = 1.0
+        verdicts += [await client.is_serving(0.05) for _ in range(MAX_LATE_HEALTH_CHECKS)]
+        servicer.delay_s = 0.0
+        verdicts.append(await client.is_serving(0.5))
+        servicer.delay_s = 1.0
+        verdicts.append(await client.is_serving(0.05))  # late again: counted from zero
+        servicer.delay_s, servicer.status = 0.0, health_pb2.HealthCheckResponse.NOT_SERVING
+        verdicts.append(await client.is_serving(0.5))
+        servicer.status = health_pb2.HealthCheckResponse.SERVING
+        verdicts.append(await client.is_serving(0.5))
+        await server.stop(grace=0)
+        verdicts.append(await client.is_serving(0.5))  # refused
+        await client.close()
+        return verdicts
+
+    late = [True] * (MAX_LATE_HEALTH_CHECKS - 1) + [False]
+    assert asyncio.run(main()) == [True, *late, True, True, False, True, False]

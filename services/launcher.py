@@ -268,8 +268,11 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
             *public,
             *_observability_args(args, 0),
             *_http_args(args),
-            *args.router_args,
         ]
+        if getattr(args, "max_model_len", None) is not None:
+            # The router checks prompts and max_tokens against it and advertises it.
+            argv += ["--max-model-len", str(args.max_model_len)]
+        argv += args.router_args
         stack.spawn("router", argv, env)
         public_addr = f"{_connect_host(args.host)}:{args.port}"
         wait_serving(public_addr, args.startup_timeout, None, should_stop, client)
@@ -468,7 +471,7 @@ def _spawn_draft_worker(
     argv += ["--dtype", args.dtype, *_device_args(args)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    if getattr(args, "max_model_len", None):
+    if getattr(args, "max_model_len", None) is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     stack.spawn(f"worker draft ({name})" if name else "worker draft", argv, env)
     return f"{INTERNAL_HOST}:{port}"
@@ -552,8 +555,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="context length the workers size their KV cache for (a small --kv-cache-memory "
-        "needs a small one) (default: the model's)",
+        help="the stack's context length: the router refuses longer requests and advertises "
+        "it, the workers size their KV cache for it (a small --kv-cache-memory needs a small "
+        "one) (default: the model's)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
@@ -782,7 +786,7 @@ def _spawn_pipeline(
         ]
         if args.threads:
             argv += ["--threads", str(args.threads)]
-        if getattr(args, "max_model_len", None):
+        if getattr(args, "max_model_len", None) is not None:
             argv += ["--max-model-len", str(args.max_model_len)]
         if args.layer_split:
             argv += ["--layer-split", args.layer_split]

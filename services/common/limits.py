@@ -56,6 +56,41 @@ def clip(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def lone_surrogate_at(value: object, path: str = "") -> str | None:
+    """Where in a parsed JSON value (dicts, lists, strings) a string holds a lone surrogate,
+    as `a.b[2]`, or None. JSON's `\\ud800`-style escapes decode to them in Python, and no
+    text encoding can hold one: the tokenizer, protobuf and Redis would each fail on it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if lone_surrogate_at(key) is not None:  # not quoted: it cannot be encoded
+                return f"a key of {path or 'the body'}"
+            found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if not isinstance(item, int | float):  # long token id lists: nothing to look at
+                found = lone_surrogate_at(item, f"{path}[{index}]")
+                if found:
+                    return found
+    return None
+
+
+def check_unicode(value: object, name: str = "") -> None:
+    """Raises InvalidRequest naming where `value` holds a lone surrogate."""
+    where = lone_surrogate_at(value, name)
+    if where is not None:
+        raise InvalidRequest(
+            f"{where} is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-"
+            "\\udfff escape); send text that UTF-8 can encode"
+        )
+
+
 def check_request_id(request_id: str) -> None:
     """Raises InvalidRequest unless `request_id` is 1 to 128 of [A-Za-z0-9._:-]."""
     if not REQUEST_ID_PATTERN.match(request_id):
@@ -99,16 +134,21 @@ def check_request(
             f"logprobs={sampling.logprobs} is out of range: must be in [0, {max_logprobs}] "
             "(--max-logprobs)"
         )
+    check_priority(priority, limits)
+    if len(tenant) > limits.max_tenant_chars:
+        raise InvalidRequest(
+            f"tenant has {len(tenant)} characters, too long: at most "
+            f"{limits.max_tenant_chars} (--max-tenant-chars)"
+        )
+
+
+def check_priority(priority: int, limits: RequestLimits) -> None:
+    """Raises InvalidRequest unless `priority` is in [-N, N] (`--max-abs-priority`)."""
     bound = limits.max_abs_priority
     if not -bound <= priority <= bound:
         raise InvalidRequest(
             f"priority={priority} is out of range: must be in [{-bound}, {bound}] "
             "(--max-abs-priority)"
-        )
-    if len(tenant) > limits.max_tenant_chars:
-        raise InvalidRequest(
-            f"tenant has {len(tenant)} characters, too long: at most "
-            f"{limits.max_tenant_chars} (--max-tenant-chars)"
         )
 
 

@@ -59,6 +59,7 @@ def format_line(key: str, principal: str, tenant: str | None, priority_max: int)
 def parse_key_file(text: str, path: str = "--api-key-file") -> dict[str, Principal]:
     """digest -> principal of every key line; ConfigError naming the line otherwise."""
     keys: dict[str, Principal] = {}
+    lines: dict[str, int] = {}  # digest -> its line number
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -74,7 +75,16 @@ def parse_key_file(text: str, path: str = "--api-key-file") -> dict[str, Princip
         unknown = sorted(set(attrs) - set(_ATTRS))
         if unknown:
             raise ConfigError(f"{where}: unknown attribute {unknown[0]!r} (known: {_ATTRS})")
-        keys[match["digest"]] = _principal(attrs, where)
+        digest_ = match["digest"]
+        if digest_ in keys:
+            # Which line would win is an editing slip away from moving a key to another
+            # principal, tenant or priority: refuse, as for a malformed line.
+            raise ConfigError(
+                f"{where} repeats the key of line {lines[digest_]}: keep one line per key "
+                "(`conveyor keys add` makes a new key)"
+            )
+        lines[digest_] = number
+        keys[digest_] = _principal(attrs, where)
     return keys
 
 

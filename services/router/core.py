@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from services.common.auth import ANONYMOUS_PRINCIPAL, Principal
 from services.common.errors import InvalidRequest, PermissionDenied, RequestFailed
-from services.common.limits import check_request_id
+from services.common.limits import check_priority, check_request_id
 from services.router.detokenizer import PROMPT_CONTEXT_TOKENS
 from services.router.observability import RequestObservation
 from services.router.output import OutputBuilder, OutputDelta
@@ -59,6 +59,7 @@ class RouterCore:
 
         Runs in a worker thread: tokenizing a long prompt (a megabyte takes seconds) must not
         hold up the other streams on this event loop."""
+        check_priority(req.priority, self.limits.request)  # before a key's ceiling raises it
         apply_principal(req, principal)
         prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.limits)
         prepared.principal = principal.name
@@ -129,39 +130,54 @@ class RouterCore:
         context: list[int] = []
         builder: OutputBuilder | None = None
         num_prompt_tokens = 0
+        end: int | None = None  # the tokens so far, once the first answer came
         stream = self.scheduler.resume(request_id, principal.name, start)
+        try:
+            async with contextlib.aclosing(stream) as deltas:
+                async for delta in deltas:
+                    num_prompt_tokens = max(num_prompt_tokens, delta.num_prompt_tokens)
+                    if builder is None:
+                        end = delta.offset + len(delta.token_ids)
+                        if not context and end < offset:  # the first answer has every token
+                            raise _beyond(request_id, offset, end)
+                        take = max(0, min(len(delta.token_ids), offset - delta.offset))
+                        context.extend(delta.token_ids[:take])
+                        if delta.offset + take < offset:
+                            continue  # context still arriving
+                        builder = OutputBuilder.for_resume(
+                            self.tokenizer, context, offset, num_prompt_tokens
+                        )
+                        delta.token_ids = delta.token_ids[take:]
+                        delta.logprobs = delta.logprobs[take:]
+                        delta.offset += take
+                    builder.num_prompt_tokens = num_prompt_tokens
+                    out = builder.add(delta)
+                    if out is None:
+                        continue
+                    if out.finish_reason == "error":
+                        raise RequestFailed(
+                            f"request {request_id} failed in the scheduler: "
+                            f"{out.error or 'no reason given'}"
+                        )
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+        except InvalidRequest as exc:
+            if end is not None or start == 0:
+                raise
+            # The scheduler refused the context's offset (`start`, before `offset`) before
+            # any answer: name the client's own, with the count it may resume from.
+            raise _beyond(
+                request_id, offset, await self._num_tokens(request_id, principal)
+            ) from exc
+
+    async def _num_tokens(self, request_id: str, principal: Principal) -> int:
+        """How many output tokens `principal`'s request has so far."""
+        stream = self.scheduler.resume(request_id, principal.name, 0)
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
-                num_prompt_tokens = max(num_prompt_tokens, delta.num_prompt_tokens)
-                if builder is None:
-                    end = delta.offset + len(delta.token_ids)
-                    if not context and end < offset:  # the first answer has every token so far
-                        raise InvalidRequest(
-                            f"offset={offset} is beyond request {request_id}'s output: it has "
-                            f"{end} tokens so far (resume from at most that)"
-                        )
-                    take = max(0, min(len(delta.token_ids), offset - delta.offset))
-                    context.extend(delta.token_ids[:take])
-                    if delta.offset + take < offset:
-                        continue  # context still arriving
-                    builder = OutputBuilder.for_resume(
-                        self.tokenizer, context, offset, num_prompt_tokens
-                    )
-                    delta.token_ids = delta.token_ids[take:]
-                    delta.logprobs = delta.logprobs[take:]
-                    delta.offset += take
-                builder.num_prompt_tokens = num_prompt_tokens
-                out = builder.add(delta)
-                if out is None:
-                    continue
-                if out.finish_reason == "error":
-                    raise RequestFailed(
-                        f"request {request_id} failed in the scheduler: "
-                        f"{out.error or 'no reason given'}"
-                    )
-                yield out
-                if out.finish_reason is not None:
-                    return
+                return delta.offset + len(delta.token_ids)
+        return 0
 
     def _abort_soon(self, req: PreparedRequest) -> None:
         """Sends the abort on the session without waiting, so that a cancelled caller still
@@ -180,6 +196,13 @@ class RouterCore:
             last = out
         assert last is not None and last.finish_reason is not None
         return "".join(texts), last
+
+
+def _beyond(request_id: str, offset: int, num_tokens: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"offset={offset} is beyond request {request_id}'s output: it has {num_tokens} tokens "
+        "so far (resume from at most that)"
+    )
 
 
 def apply_principal(req: GenerateInput, principal: Principal) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequest
-from services.common.limits import clip
+from services.common.limits import check_unicode, clip
 from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.router.request import GenerateInput, ModelLimits
@@ -159,6 +159,7 @@ def _parse_json(value: Any, limits: ModelLimits) -> dict[str, Any]:
         raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from exc
     if not isinstance(options, dict):
         raise InvalidRequest("sampling_parameters must be a JSON object")
+    check_unicode(options, "sampling_parameters")
     return options
 
 
@@ -167,6 +168,8 @@ def _convert(key: str, value: Any) -> Any:
         if key in _FLOAT_KEYS:
             return float(value)
         if key in _INT_KEYS or key == "n":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError("expected an integer")  # int() would make 1 of true, 3 of 3.5
             return int(value)
         if key in _BOOL_KEYS:
             return value if isinstance(value, bool) else str(value).lower() in ("true", "1")

@@ -14,6 +14,7 @@ from tests.conftest import free_port
 from tests.processes import logged_process
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 4096  # below the model's 8192: the router must learn it from `up`
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ def conveyor_stack(smollm2_dir, tmp_path_factory):
         str(scheduler_port),
         "--kv-cache-memory",
         "256MiB",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
         "--http-port",
         str(http_port),
     ]

@@ -17,6 +17,7 @@ import pytest
 from services.client import AsyncConveyorClient, ConveyorClient
 from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.router.tokenizer import Tokenizer
+from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.router.utils import wait_until
 
 pytestmark = pytest.mark.slow
@@ -169,6 +170,17 @@ def test_e2e_invalid_fields_refused_while_others_are_served(conveyor_stack, clie
     worker.join(timeout=300)
     assert outcome["result"].finish_reason == "length"
     assert len(outcome["result"].token_ids) == 48
+
+
+def test_e2e_the_stacks_max_model_len_is_the_routers(client):
+    """`conveyor up --max-model-len` reaches the router, which advertises it and refuses
+    what does not fit with INVALID_ARGUMENT (it advertised the model's 8192 and accepted
+    requests the scheduler then cut short at the stack's length)."""
+    assert [m["max_model_len"] for m in client.list_models()] == [MAX_MODEL_LEN]
+    with pytest.raises(grpc.RpcError) as info:
+        _greedy(client, max_tokens=MAX_MODEL_LEN)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"context length {MAX_MODEL_LEN}" in info.value.details()
 
 
 def test_e2e_cancel_frees_blocks(conveyor_stack, client):

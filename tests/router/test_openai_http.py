@@ -23,7 +23,8 @@ MODEL = "tiny-chat"  # the fixture model directory's name
 @pytest.fixture(scope="module")
 def http_router(scheduler_server, tiny_model_dir, tmp_path_factory):
     """A router serving HTTP too, with one API key (tenant "team-a")."""
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    workdir = tmp_path_factory.mktemp("http-router")
+    keys = workdir / "keys.txt"
     keys.write_text(format_line(KEY, "alice", "team-a", 0) + "\n")
     port, metrics_port = free_port(), free_port()
     proc = RouterProcess(
@@ -31,6 +32,7 @@ def http_router(scheduler_server, tiny_model_dir, tmp_path_factory):
         tiny_model_dir,
         *("--http-port", str(port), "--api-key-file", str(keys)),
         *("--metrics-port", str(metrics_port), "--max-message-bytes", "65536"),
+        log=workdir / "router.log",
     ).wait_serving()
     proc.http = f"http://127.0.0.1:{port}"
     proc.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -218,6 +220,8 @@ def test_http_client_disconnect_before_the_answer_aborts(fake, http_router):
     wait_until(lambda: fake.submits, what="the submission")
     submitted = fake.submits[-1].request_id
     wait_until(lambda: submitted in fake.aborts, what="abort after the client went away")
+    # A hang-up is the client's doing: no traceback per hang-up to flood the log with.
+    assert "Traceback" not in http_router.log.read_text()
 
 
 def test_http_errors_in_openai_shape(fake, client, http_router):
@@ -262,6 +266,17 @@ def test_http_malformed_requests_get_openai_errors(fake, http_router):
     assert status == 400 and "--max-stream-requests" in body["error"]["message"]
     status, body = get(f"{http_router.http}/v2/nothing", KEY)
     assert status == 404 and body["error"]["message"]
+    # JSON's escape of a lone surrogate (no encoding can hold it; the tokenizer raised: 500)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi \\ud800"}]}
+    for path, sent, param in (
+        ("/v1/completions", {"prompt": "\\ud800"}, "prompt"),
+        ("/v1/chat/completions", chat, "messages[0].content"),
+        ("/tokenize", {"prompt": "a \\udfff"}, "prompt"),
+    ):
+        raw = json.dumps(sent).replace("\\\\", "\\").encode()  # the escape itself, once
+        status, body = get(f"{http_router.http}{path}", KEY, raw)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["param"] == param and "lone surrogate" in body["error"]["message"]
     assert not fake.submits
 
 

@@ -129,6 +129,15 @@ def test_kserve_request_reads_triton_llm_tensors():
         ({"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"top_p": 2}')}, "top_p=2.0"),
         ({"text_input": ("BYTES", b"\x09\x00\x00\x00ab")}, "past the end"),
         ({"text_input": _bytes("hi"), "weird": _bytes("x")}, "input 'weird' is not supported"),
+        (  # int() made 1 of true and 3 of 3.5
+            {"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"max_tokens": true}')},
+            "sampling_parameters.max_tokens=True has the wrong type",
+        ),
+        ({"text_input": _bytes("hi"), "max_tokens": ("FP32", b"\x00\x00\x60\x40")}, "=3.5"),
+        (
+            {"text_input": _bytes("hi"), "sampling_parameters": _bytes('{"stop": ["\\udc80"]}')},
+            "sampling_parameters.stop[0] is not valid Unicode",
+        ),
     ],
 )
 def test_kserve_request_rejects_bad_tensors(tensors, expected):

@@ -245,10 +245,19 @@ def wait_until(predicate, timeout_s: float = 20.0, what: str = "condition") -> N
 
 class RouterProcess:
     """`python -m services.cli router ...` on a free port; waits until it is SERVING (over TLS
-    with `security`'s CA when the flags turn TLS on)."""
+    with `security`'s CA when the flags turn TLS on). `log`: a file for its output (else the
+    test's own)."""
 
-    def __init__(self, scheduler_address: str, model_dir: Path, *extra: str, security=None):
+    def __init__(
+        self,
+        scheduler_address: str,
+        model_dir: Path,
+        *extra: str,
+        security=None,
+        log: Path | None = None,
+    ):
         self.security = security
+        self.log = log
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [
@@ -267,7 +276,10 @@ class RouterProcess:
             *extra,
         ]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env)
+        out = log.open("w") if log is not None else None
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=out)
+        if out is not None:
+            out.close()  # the child holds its own descriptor
 
     def wait_serving(self, timeout_s: float = 60.0) -> RouterProcess:
         from services.launcher import wait_serving

@@ -5,6 +5,7 @@ two SmolLM2 pipelines, two routers with API keys)."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -107,7 +108,11 @@ def test_resume_through_another_router_after_a_kill(resume_stack, keys, prompt_i
     bob_async = _async_code(router_b, api_keys["bob"], request_id, offset)
     assert asyncio.run(bob_async) is grpc.StatusCode.NOT_FOUND
     assert _code(alice_b.resume, "no-such-request", 0) is grpc.StatusCode.NOT_FOUND
-    assert _code(alice_b.resume, request_id, 10_000) is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as refused:
+        list(alice_b.resume(request_id, 10_000))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    # The client's own offset (the router asks for a few tokens before it, as context).
+    assert re.search(r"offset=10000 is beyond .* it has \d+ tokens", refused.value.details())
 
     last = None
     for delta in alice_b.resume(request_id, offset):

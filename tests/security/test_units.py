@@ -95,6 +95,10 @@ def test_key_file_lines_and_their_errors():
         (f"sha256:{digest('k')} principal=a/b", "principal='a/b'"),
         (f"sha256:{digest('k')} principal=a priority_max=high", "priority_max"),
         (f"sha256:{digest('k')}", "principal=''"),
+        (  # the same key twice: which line wins is an editing slip away from another tenant
+            f"sha256:{digest('k')} principal=a\n# x\nsha256:{digest('k')} principal=m tenant=b",
+            "line 3 repeats the key of line 1",
+        ),
     ):
         with pytest.raises(ConfigError, match=match):
             parse_key_file(bad)

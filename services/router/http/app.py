@@ -29,10 +29,12 @@ from services.router.http import convert, endpoints, schemas
 from services.router.http.errors import (
     BodyTooLarge,
     error_response,
+    on_client_gone,
     on_conveyor_error,
     on_http_error,
     on_validation_error,
 )
+from services.router.http.streaming import ClientGone
 from services.router.kserve import SERVER_VERSION
 from services.router.request import GenerateInput
 
@@ -54,6 +56,7 @@ def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: i
     app = FastAPI(title="Conveyor", version=SERVER_VERSION, docs_url=None, redoc_url=None)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ConveyorError, on_conveyor_error)
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
     if core.metrics is not None:

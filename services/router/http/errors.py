@@ -8,7 +8,7 @@ import logging
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from services.common import errors
 from services.router.http.schemas import ErrorInfo, ErrorResponse
@@ -62,6 +62,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             where = error.get("loc", ("body", "?"))[-1]
             reason = error.get("ctx", {}).get("error", "JSON decode error")
             return f"the request body is not valid JSON: {reason} at character {where}", None
+        if error.get("type") == "invalid_unicode":  # names its field itself (schemas.py)
+            return error.get("msg", "invalid Unicode"), error.get("ctx", {}).get("where")
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
         name = ".".join(loc) or "body"
         param = param or name
@@ -75,6 +77,14 @@ async def on_validation_error(request: Request, exc: RequestValidationError) -> 
         error=ErrorInfo(message=message, type="invalid_request_error", param=param)
     )
     return JSONResponse(body.model_dump(), status_code=400)
+
+
+async def on_client_gone(request: Request, exc: Exception) -> Response:
+    """A client that hung up before its answer: its request is aborted already, and nobody
+    reads this response (499, nginx's "client closed request"). Not an error of the server:
+    one debug line, not a traceback per hang-up."""
+    logger.debug("%s %s: %s", request.method, request.url.path, exc)
+    return Response(status_code=499)
 
 
 async def on_conveyor_error(request: Request, exc: Exception) -> JSONResponse:

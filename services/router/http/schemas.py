@@ -10,10 +10,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from services.common.limits import lone_surrogate_at
 
 
-class _Request(BaseModel):
+class _Unicode(BaseModel):
+    """A request body whose every string is valid Unicode (a 400 naming the field, not a
+    500 from the tokenizer: JSON's `\\ud800` escapes decode to lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{where} is not valid Unicode: it holds a lone surrogate (an unpaired "
+                "\\ud800-\\udfff escape); send text that UTF-8 can encode",
+                {"where": where},
+            )
+        return data
+
+
+class _Request(_Unicode):
     model_config = ConfigDict(extra="allow")
 
     def unsupported_fields(self) -> list[str]:
@@ -195,7 +216,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Unicode):
     """POST /tokenize (vLLM's): a text's token ids, as the served model's tokenizer gives."""
 
     model_config = ConfigDict(extra="forbid")

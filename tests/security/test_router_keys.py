@@ -99,6 +99,11 @@ def test_key_sets_principal_tenant_and_priority_ceiling(fake, router, credential
         mallory.complete("hi", max_tokens=2, priority=9)
     with _client(router, credentials, "alice") as alice:
         alice.complete("hi", max_tokens=2, priority=-4)
+        # Out of range is refused, as without a key (the ceiling ran it at 0 instead).
+        with pytest.raises(grpc.RpcError) as refused:
+            alice.complete("hi", max_tokens=2, priority=-5000)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "priority=-5000 is out of range" in refused.value.details()
     got = [(s.tenant, s.priority, s.principal) for s in fake.submits]
     assert got == [("team-m", 5, "mallory"), ("team-m", 9, "mallory"), ("team-a", 0, "alice")]
     tokens = [s.owner_token for s in fake.submits]

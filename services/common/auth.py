@@ -91,11 +91,15 @@ def bearer_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The token of an `authorization: Bearer <token>` entry; None when there is none.
 
     Raises:
-        Unauthenticated: an `authorization` entry that is not `Bearer <token>`.
+        Unauthenticated: an `authorization` entry that is not `Bearer <token>`, or more than
+        one (which credential counts would be a guess).
     """
+    found = None
     for key, value in metadata or ():
         if key != "authorization":
             continue
+        if found is not None:
+            raise Unauthenticated("send one `authorization` metadata entry, not several")
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
         scheme, _, token = text.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -103,8 +107,8 @@ def bearer_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
                 "the authorization metadata must be `Bearer <credential>` (an API key, or "
                 "the internal token for internal services)"
             )
-        return token.strip()
-    return None
+        found = token.strip()
+    return found
 
 
 class OpenAccess:

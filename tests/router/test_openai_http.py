@@ -250,6 +250,20 @@ def test_http_errors_in_openai_shape(fake, client, http_router):
     assert not fake.submits  # nothing refused reached the scheduler
 
 
+def test_http_two_authorization_headers_are_refused(http_router):
+    """Which of two credentials counts would be a guess (the first won silently)."""
+    host, port = http_router.http.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("GET", "/v1/models")
+    connection.putheader("authorization", f"Bearer {KEY}")
+    connection.putheader("authorization", "Bearer someone-else")
+    connection.endheaders()
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    assert response.status == 401 and "one `authorization`" in body["error"]["message"]
+
+
 def test_http_malformed_requests_get_openai_errors(fake, http_router):
     url = f"{http_router.http}/v1/completions"
     status, body = get(url, KEY, b'{"prompt": "x", ')

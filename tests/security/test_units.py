@@ -66,6 +66,9 @@ def test_bearer_parsing():
     for bad in ("abc", "Basic abc", "Bearer "):
         with pytest.raises(Unauthenticated, match="Bearer"):
             bearer_of([("authorization", bad)])
+    # Two credentials: which one counts would be a guess (the first won silently).
+    with pytest.raises(Unauthenticated, match="one `authorization`"):
+        bearer_of([("authorization", "Bearer a"), ("x", "y"), ("authorization", "Bearer b")])
 
 
 def test_internal_auth_needs_the_token_and_names_the_certificate():

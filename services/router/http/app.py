@@ -63,8 +63,8 @@ def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: i
         app.add_middleware(CountRequests, counter=core.metrics.http_requests)
 
     def principal(request: Request) -> Principal:
-        header = request.headers.get("authorization")
-        bearer = bearer_of([("authorization", header)] if header is not None else None)
+        headers = request.headers.getlist("authorization")
+        bearer = bearer_of([("authorization", h) for h in headers])
         return authenticator.authenticate(CallCredentials(bearer=bearer))
 
     @app.post("/v1/completions", response_model=schemas.CompletionResponse)

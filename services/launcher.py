@@ -717,6 +717,13 @@ def run(args: argparse.Namespace) -> int:
     except StackFailed as exc:
         logger.error("%s; the stack did not start", exc)
         return 1
+    except (TimeoutError, RuntimeError) as exc:  # a child never served, or exited
+        logger.error(
+            "%s; the stack did not start: the children's log lines above say why (e.g. Redis "
+            "refusing the scheduler's password, a port taken)",
+            exc,
+        )
+        return 1
     tp_note = f" x {args.tensor_parallel_size} tp ranks" if args.tensor_parallel_size > 1 else ""
     http = f", OpenAI API on port {args.http_port}" if _serves_http(args) else ""
     pipelines = f"{args.pipelines} pipelines x " if args.pipelines > 1 else ""

@@ -270,7 +270,10 @@ class Pipeline:
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as exc:
-            self.reports.put_nowait(StageFailure(f"{self._name(index)} is gone: {exc.code().name}"))
+            details = f" ({exc.details()})" if exc.details() else ""
+            self.reports.put_nowait(
+                StageFailure(f"{self._name(index)} is gone: {exc.code().name}{details}")
+            )
 
     async def _write(self, index: int, call, outbox: asyncio.Queue[bytes]) -> None:
         """Sends worker `index` its plans in order, the ones queued by the time a write starts

@@ -172,6 +172,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         """Waits for every stage, recovers requests from Redis, opens the session."""
+        try:  # say now what is wrong with Redis (a password), not once the stages are up
+            await asyncio.to_thread(self.store.check)
+        except StateStoreError as exc:
+            logger.error("%s (the scheduler waits for its stages, then tries again)", exc)
         self.info = await self.pipeline.wait_ready()
         self._check_stage_weights(self.info.weight_versions)
         self.config = config = self.config.resolved(self.info)

@@ -22,6 +22,9 @@ from services.worker.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
+SESSION_WAIT_S = 5.0
+"""How long a scheduler's Run waits for the previous session to wind down before the stage
+refuses it as another scheduler's."""
 _SERVICE = worker_pb2.DESCRIPTOR.services_by_name["StageWorker"].full_name
 
 
@@ -78,6 +81,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self._session_lock = asyncio.Lock()
+        self._session_peer = ""
+        """The address of the scheduler whose session runs."""
         self.observer: StepHooks | None = None
         """Step metrics and spans, or None: no hook runs."""
         self.recorder: PlanRecorder | None = None
@@ -154,8 +159,19 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         if self.engine is None:
             raise PipelineUnavailable(f"stage {self.stage} is still loading its model")
         # A scheduler re-forming the pipeline may arrive while the previous session is still
-        # winding down (its waits are aborted, so that takes moments): wait for it.
-        async with self._session_lock:
+        # winding down (its waits are aborted, so that takes moments): wait for it, a while.
+        # A session that goes on is another scheduler's (a --workers list that names this
+        # stage twice): refused, or both would stall with plans nobody reads.
+        try:
+            await asyncio.wait_for(self._session_lock.acquire(), SESSION_WAIT_S)
+        except TimeoutError:
+            raise PipelineUnavailable(
+                f"stage {self.stage} serves another scheduler's session (from "
+                f"{self._session_peer}): one scheduler drives a pipeline; check the --workers "
+                "of both"
+            ) from None
+        self._session_peer = context.peer()
+        try:
             loop = asyncio.get_running_loop()
             reports: asyncio.Queue = asyncio.Queue()
             # The last stage's tp rank 0 reports tokens; its peers hold the same ones.
@@ -187,6 +203,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if observer is not None:
                     observer.reset()
                 logger.info("stage %d: session ended", self.stage)
+        finally:
+            self._session_lock.release()
 
     # -- weight updates (the scheduler's UpdateWeights and InitWeightTransfer) ---------------
     def _weights(self, context) -> WeightUpdates:

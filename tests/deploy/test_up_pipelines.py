@@ -51,3 +51,26 @@ def test_one_pipeline_starts_as_before(monkeypatch):
 def test_zero_pipelines_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="--pipelines=0"):
         started(monkeypatch, "--pipelines", "0")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TimeoutError("127.0.0.1:1 did not become SERVING within 300 s"),
+        RuntimeError("the process serving 127.0.0.1:1 exited with 1"),
+    ],
+)
+def test_a_stack_that_never_serves_exits_1_with_a_message(monkeypatch, caplog, failure):
+    """A child that never served (Redis refusing the scheduler's password) or exited: one
+    error line and exit 1 (it ended in a traceback)."""
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args(["--model", "/m"])
+
+    def start_stack(*_):
+        raise failure
+
+    monkeypatch.setattr(launcher, "start_stack", start_stack)
+    monkeypatch.setattr(launcher.signal, "signal", lambda *_: None)  # pytest's stay
+    assert launcher.run(args) == 1
+    assert "the stack did not start" in caplog.text and str(failure) in caplog.text

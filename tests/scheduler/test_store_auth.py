@@ -206,6 +206,27 @@ def test_scheduler_with_a_wrong_password_waits_not_serving(
             proc.wait(timeout=30)
 
 
+def test_scheduler_names_a_refused_password_before_its_stages_are_up(protected_redis, tmp_path):
+    """No worker answers yet: the log says what is wrong with Redis now, not once the
+    stages are up (it said nothing while it waited for them)."""
+    log = tmp_path / "scheduler.log"
+    scheduler = spawn(
+        [
+            "scheduler",
+            f"--workers=127.0.0.1:{free_port()}",  # nothing listens there
+            f"--redis-url={protected_redis.url}",
+            f"--port={free_port()}",
+        ],
+        log,
+        **{PASSWORD_ENV: "wrong-password"},
+    )
+    try:
+        wait_until(lambda: "refused to authenticate" in log.read_text(), scheduler, 60)
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
+
+
 def wait_until(predicate, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -18,6 +18,7 @@ from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan
 from services.scheduler.pipeline import join_plans
 from services.worker.config import WorkerConfig
+from services.worker.server import SESSION_WAIT_S
 from services.worker.sim import MODELS_DIR
 from services.worker.sim.runner import SimStageRunner
 
@@ -143,3 +144,32 @@ def test_worker_refuses_decode_columns_that_disagree(worker):
     reports = asyncio.run(_run(worker, [msg.SerializeToString()], 2))
     errors = [(r.step_id, r.error) for r in reports if r.error]
     assert [s for s, e in errors if "1 decode_token_ids for 2" in e] == [1], errors
+
+
+def test_a_second_schedulers_session_is_refused_while_the_first_runs(worker):
+    """A --workers list that names a stage another scheduler drives: the second Run waits
+    SESSION_WAIT_S for the first session to end, then is refused naming the cause (it
+    waited forever, its scheduler SERVING with plans nobody read). Once the first session
+    ends, a new one is taken."""
+
+    async def main():
+        async with grpc.aio.insecure_channel(worker) as channel:
+            run = channel.stream_stream(
+                "/conveyor.v1.StageWorker/Run",
+                request_serializer=None,
+                response_deserializer=worker_pb2.StepReport.FromString,
+            )
+            first = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+            await first.write(worker_pb2.StepPlan(step_id=0).SerializeToString())
+            second = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(second.read(), SESSION_WAIT_S + 60)
+            first.cancel()
+        return refused.value
+
+    refused = asyncio.run(main())
+    assert refused.code() is grpc.StatusCode.UNAVAILABLE
+    assert "serves another scheduler's session" in refused.details()
+    bad = worker_pb2.StepPlan(step_id=5, following=[worker_pb2.StepPlan(step_id=3)])
+    reports = asyncio.run(_run(worker, [bad.SerializeToString()], 2))  # a session again
+    assert [r.step_id for r in reports if "came after step 5" in r.error] == [3]

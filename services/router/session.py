@@ -64,7 +64,8 @@ class SchedulerSession:
         self._commands: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, SessionStream] = {}
         self._ids = itertools.count(1)
-        self._call = stub.Session(self._send(), metadata=metadata)
+        self._outgoing = self._send()
+        self._call = stub.Session(self._outgoing, metadata=metadata)
         self._reader = asyncio.create_task(self._read(), name="scheduler-session")
         self.is_open = True
 
@@ -94,8 +95,11 @@ class SchedulerSession:
         await asyncio.gather(self._reader, return_exceptions=True)
 
     async def _send(self):
-        while True:
-            yield await self._commands.get()
+        """The commands, until None: a session that ended stops gRPC's task that sends them
+        (left waiting here, it was destroyed pending, logged at ERROR, when the session was
+        dropped)."""
+        while (command := await self._commands.get()) is not None:
+            yield command
 
     async def _read(self) -> None:
         ended: BaseException | object = grpc.aio.EOF
@@ -113,6 +117,7 @@ class SchedulerSession:
             raise
         finally:
             self.is_open = False
+            self._commands.put_nowait(None)
             for stream in self._streams.values():
                 stream.is_open = False
                 stream.put(ended)

@@ -10,7 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import RequestFailed
-from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2
+from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.router.session import SchedulerSession
 from services.router.upstream import MAX_LATE_HEALTH_CHECKS, SchedulerClient, delta_from_pb
 
 
@@ -79,3 +80,46 @@ def test_a_late_health_answer_is_not_taken_for_a_scheduler_down():
 
     late = [True] * (MAX_LATE_HEALTH_CHECKS - 1) + [False]
     assert asyncio.run(main()) == [True, *late, True, True, False, True, False]
+
+
+class BreakingScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Ends every session with UNAVAILABLE at its first command (a scheduler going away)."""
+
+    async def Session(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+        async for _ in request_iterator:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+
+def _senders() -> list[asyncio.Task]:
+    """gRPC's tasks that send a stream's requests, still running."""
+    return [t for t in asyncio.all_tasks() if "consume_request_iterator" in repr(t.get_coro())]
+
+
+def test_a_broken_session_leaves_no_task_sending_its_commands():
+    """Real gRPC on loopback. A session the scheduler ended stops gRPC's task that sends its
+    commands; left waiting for the next command, it was destroyed pending when the router
+    dropped the session (ERROR lines in the router's log after every failover)."""
+
+    async def main():
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(BreakingScheduler(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            session = SchedulerSession(scheduler_pb2_grpc.SchedulerStub(channel), None)
+            submit = scheduler_pb2.SubmitRequest(request_id="a")
+            stream = session.open(scheduler_pb2.SessionRequest(submit=submit))
+            with pytest.raises(grpc.aio.AioRpcError) as broken:
+                await asyncio.wait_for(stream.read(), 30)
+            for _ in range(100):
+                if not _senders():
+                    break
+                await asyncio.sleep(0.05)
+            left = [repr(t) for t in _senders()]  # as they were then
+            await session.close()
+        await server.stop(grace=0)
+        return broken.value.code(), left
+
+    code, left = asyncio.run(main())
+    assert code is grpc.StatusCode.UNAVAILABLE
+    assert left == []

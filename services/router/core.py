@@ -96,10 +96,7 @@ class RouterCore:
                     if obs is not None:
                         obs.on_output(out)
                     if out.finish_reason == "error":
-                        raise RequestFailed(
-                            f"request {req.request_id} failed in the "
-                            f"scheduler: {out.error or 'no reason given'}"
-                        )
+                        raise _failed(req.request_id, out)
                     yield out
                     if out.finish_reason is not None:
                         return
@@ -155,10 +152,7 @@ class RouterCore:
                     if out is None:
                         continue
                     if out.finish_reason == "error":
-                        raise RequestFailed(
-                            f"request {request_id} failed in the scheduler: "
-                            f"{out.error or 'no reason given'}"
-                        )
+                        raise _failed(request_id, out)
                     yield out
                     if out.finish_reason is not None:
                         return
@@ -196,6 +190,12 @@ class RouterCore:
             last = out
         assert last is not None and last.finish_reason is not None
         return "".join(texts), last
+
+
+def _failed(request_id: str, out: OutputDelta) -> RequestFailed:
+    return RequestFailed(
+        f"request {request_id} failed in the scheduler: {out.error or 'no reason given'}"
+    )
 
 
 def _beyond(request_id: str, offset: int, num_tokens: int) -> InvalidRequest:

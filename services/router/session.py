@@ -64,8 +64,7 @@ class SchedulerSession:
         self._commands: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, SessionStream] = {}
         self._ids = itertools.count(1)
-        self._outgoing = self._send()
-        self._call = stub.Session(self._outgoing, metadata=metadata)
+        self._call = stub.Session(self._send(), metadata=metadata)
         self._reader = asyncio.create_task(self._read(), name="scheduler-session")
         self.is_open = True
 

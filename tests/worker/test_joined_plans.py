@@ -82,14 +82,19 @@ def _ready(address: str) -> bool:
             return False
 
 
+def _open_run(channel: grpc.aio.Channel):
+    """A Run session (raw plan bytes out, reports in) with a fresh epoch."""
+    run = channel.stream_stream(
+        "/conveyor.v1.StageWorker/Run",
+        request_serializer=None,
+        response_deserializer=worker_pb2.StepReport.FromString,
+    )
+    return run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+
+
 async def _run(address: str, messages: list[bytes], num_reports: int) -> list:
     async with grpc.aio.insecure_channel(address) as channel:
-        run = channel.stream_stream(
-            "/conveyor.v1.StageWorker/Run",
-            request_serializer=None,
-            response_deserializer=worker_pb2.StepReport.FromString,
-        )
-        call = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+        call = _open_run(channel)
         for message in messages:
             await call.write(message)
         reports = []
@@ -154,14 +159,9 @@ def test_a_second_schedulers_session_is_refused_while_the_first_runs(worker):
 
     async def main():
         async with grpc.aio.insecure_channel(worker) as channel:
-            run = channel.stream_stream(
-                "/conveyor.v1.StageWorker/Run",
-                request_serializer=None,
-                response_deserializer=worker_pb2.StepReport.FromString,
-            )
-            first = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+            first = _open_run(channel)
             await first.write(worker_pb2.StepPlan(step_id=0).SerializeToString())
-            second = run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+            second = _open_run(channel)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await asyncio.wait_for(second.read(), SESSION_WAIT_S + 60)
             first.cancel()

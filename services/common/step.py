@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingParams
 
+SESSION_ACCEPTED = "conveyor-session-accepted"
+"""The initial metadata key a stage's Run sends once it took the session and reads its plans
+(a stage busy with another scheduler's session refuses instead)."""
+
 
 @dataclass(slots=True)
 class NewRequest:

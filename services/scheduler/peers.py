@@ -1,6 +1,6 @@
 """The scheduler's life among other pipelines: announce, adopt, let go (docs/scale-out.md).
 
-Every third of `announce_ttl_s` the task below
+Every third of `announce_ttl_s` (and at once after a refused write) the task below
   1. announces this pipeline (health, queue, KV usage, the prefix blocks it caches);
   2. lets go of requests another pipeline adopted meanwhile (the store refused their writes,
      or, while this pipeline is NOT_SERVING and steps nothing, their `owner` says so): their
@@ -14,6 +14,7 @@ Every third of `announce_ttl_s` the task below
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from services.common.errors import StateStoreError
@@ -56,12 +57,18 @@ class PipelinePeers:
     async def run(self) -> None:
         config = self.service.config
         interval_s = config.announce_ttl_s / 3
+        refused = self.service.writes_refused
         while True:
             try:
                 await self.tick()
             except StateStoreError as exc:
                 logger.warning("pipeline %s: %s", config.pipeline_id, exc)
-            await asyncio.sleep(interval_s)
+            # The next tick, or at once when a write was refused: another pipeline adopted
+            # what this one holds (it was judged lost while stalled), and every step until
+            # it lets go is work thrown away.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(refused.wait(), interval_s)
+            refused.clear()
 
     async def tick(self) -> None:
         config = self.service.config

@@ -26,11 +26,16 @@ import grpc
 from services.common.errors import PipelineUnavailable
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
 from services.common.security import ClientSecurity
+from services.common.step import SESSION_ACCEPTED
 from services.scheduler.config import PipelineInfo
 
 logger = logging.getLogger(__name__)
 
 _RUN_METHOD = "/conveyor.v1.StageWorker/Run"
+SESSION_ACCEPT_TIMEOUT_S = 30.0
+"""How long a new session waits for every stage to take it (a stage still winding down the
+previous session takes it within moments; one busy with another scheduler's refuses after
+the worker's SESSION_WAIT_S)."""
 
 
 @dataclass(slots=True)
@@ -232,12 +237,26 @@ class Pipeline:
         raise PipelineUnavailable(last_error or "pipeline not ready")
 
     async def open(self) -> None:
-        """Starts a session: one Run stream per stage, all with one fresh epoch."""
+        """Starts a session: one Run stream per stage, all with one fresh epoch. Returns once
+        every stage has taken it; raises PipelineUnavailable naming a stage that refused it
+        (another scheduler's session holds that stage) or did not answer in time."""
         await self.close()
         self.epoch = time.time_ns()
         metadata = self.security.with_metadata((("conveyor-epoch", str(self.epoch)),))
         self.reports = asyncio.Queue()
         self._calls = [run(metadata=metadata) for run in self._run]
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(self._accepted(i, call) for i, call in enumerate(self._calls))),
+                SESSION_ACCEPT_TIMEOUT_S,
+            )
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, TimeoutError):
+                raise PipelineUnavailable(
+                    f"a stage did not take the session within {SESSION_ACCEPT_TIMEOUT_S:.0f} s"
+                ) from None
+            raise
         reporter = len(self._calls) - self.tp_size  # the last stage's tp rank 0
         self._readers = [
             asyncio.create_task(
@@ -250,6 +269,15 @@ class Pipeline:
             asyncio.create_task(self._write(index, call, outbox))
             for index, (call, outbox) in enumerate(zip(self._calls, self._outboxes, strict=True))
         ]
+
+    async def _accepted(self, index: int, call) -> None:
+        """Returns once worker `index` took the session (its Run's initial metadata)."""
+        if SESSION_ACCEPTED in (await call.initial_metadata() or ()):
+            return
+        code, details = await call.code(), await call.details()
+        raise PipelineUnavailable(
+            f"{self._name(index)} refused the session: {code.name} ({details})"
+        )
 
     def _name(self, index: int) -> str:
         stage, rank = divmod(index, self.tp_size)

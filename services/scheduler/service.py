@@ -114,9 +114,9 @@ class SchedulerService:
         self._store_failing_since: float | None = None
         self._store_error: str | None = None
         self._orphaned_at: dict[str, float] = {}
+        """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._step_requests: dict[int, list[str]] = {}
         """The requests of every step in flight (a stage failure names its step)."""
-        """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._reaper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._subscribers: dict[str, list[Subscriber]] = {}
@@ -136,6 +136,9 @@ class SchedulerService:
         flight: published after the next write, not before the state they announce."""
         self._write_failed = False
         """The last write in the background failed: the loop writes the next itself."""
+        self.writes_refused = asyncio.Event()
+        """Set when the store refused a write (another pipeline adopted the request): the
+        peers task lets go at once rather than at its next tick (services/scheduler/peers.py)."""
         self._task: asyncio.Task | None = None
         self._on_serving_change = None
         self.observer: SchedulerHooks | None = None
@@ -601,6 +604,8 @@ class SchedulerService:
         try:
             if batch.updates:
                 await asyncio.to_thread(outputs.write, batch)
+                if batch.moved:
+                    self.writes_refused.set()
         except Exception as exc:  # StoreLost too: the loop's own flush rewrites or retries
             outputs.give_back(batch)
             self._held[:0] = held
@@ -753,13 +758,36 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ failures
     async def _open_session(self) -> None:
+        """Opens a session that every stage took; until then health stays NOT_SERVING, and a
+        refusal (a stage another scheduler's session holds) is retried from Describe on."""
+        last_problem = None
+        while True:
+            try:
+                await self.pipeline.open()
+                break
+            except PipelineUnavailable as exc:
+                problem = f"pipeline not whole: {exc}"
+                if problem != last_problem:
+                    logger.error("%s; retrying", problem)
+                    last_problem = problem
+                self._update_health(problem)
+                await asyncio.sleep(0.5)
+                await self._wait_for_stages()
         self._inflight = 0
         self._held_ns = 0
         if self.lead is not None:
             self.lead.reset()
-        await self.pipeline.open()
         self._is_pipeline_whole = True
         self._update_health()
+
+    async def _wait_for_stages(self) -> None:
+        while True:
+            try:
+                info = await self.pipeline.wait_ready()
+                self._check_stage_weights(info.weight_versions)
+                return
+            except PipelineUnavailable:
+                await asyncio.sleep(0.5)
 
     def _store_failed(self, exc: StateStoreError) -> None:
         now = time.monotonic()
@@ -827,13 +855,7 @@ class SchedulerService:
             self._publish_failure(request, reason)
         await self.pipeline.close()
         self.scheduler.requeue_running()
-        while True:
-            try:
-                info = await self.pipeline.wait_ready()
-                self._check_stage_weights(info.weight_versions)
-                break
-            except PipelineUnavailable:
-                await asyncio.sleep(0.5)
+        await self._wait_for_stages()
         await self._open_session()
         logger.info("pipeline whole again; resuming %d requests", len(self.scheduler.requests))
 

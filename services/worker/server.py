@@ -13,6 +13,7 @@ from services.common.pb import logprobs_to_pb, plan_from_pb
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
 from services.common.security import require_admin
 from services.common.serving import GrpcServer
+from services.common.step import SESSION_ACCEPTED
 from services.worker.config import WorkerConfig
 from services.worker.engine import StageEngine, StepOutcome
 from services.worker.plan_record import PlanRecorder
@@ -191,6 +192,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
             self.engine.start(on_outcome, epoch)
             if self.recorder is not None:
                 self.recorder.session_started()
+            # The scheduler reports SERVING only once every stage has said this.
+            await context.send_initial_metadata(((SESSION_ACCEPTED, "1"),))
             reader = asyncio.create_task(self._read_plans(request_iterator, reports))
             try:
                 # One await per report: the loop thread holds the GIL briefly, and the compute

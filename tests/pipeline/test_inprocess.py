@@ -17,6 +17,7 @@ import torch
 from services.common.sampling import SamplingParams
 from services.models.tiny import make_tiny_model
 from services.scheduler.peers import PipelinePeers
+from services.scheduler.registry import PipelineRegistry
 from services.scheduler.request import RequestStatus
 from services.scheduler.store import meta_key
 from tests.pipeline.utils import InProcessStack, Outcome
@@ -418,6 +419,33 @@ def test_one_refused_write_lets_go_of_every_request_adopted_even_the_waiting(mod
     stack, (running, waiting) = asyncio.run(main())
     assert running.last_delta.owner_pipeline_id == waiting.last_delta.owner_pipeline_id
     assert waiting.token_ids == []
+    assert stack.service.scheduler.requests == {}
+    assert_whole(stack)
+
+
+def test_a_refused_write_wakes_the_peers_task_to_let_go(model, redis_url):
+    """The peers task lets go as soon as a write is refused, not at its next tick: with
+    announcements a minute apart, the adopted request's stream still ends naming the
+    adopter (the pipeline stepped it, thrown away, until the tick)."""
+    model_dir, prompts, _, _ = model
+
+    async def main():
+        options = {"announce_ttl_s": 180.0}  # ticks 60 s apart
+        async with InProcessStack(model_dir, 1, "async", redis_url, **options) as stack:
+            registry = PipelineRegistry(stack.redis_url, "")
+            peers = PipelinePeers(stack.service, registry, "127.0.0.1:1")
+            task = asyncio.create_task(peers.run())
+            try:
+                _, running = stack.submit(prompts[0], greedy(max_tokens=200), "r0")
+                seen = await stack.collect(running, num_tokens=2)
+                adopt_elsewhere(stack, ["r0"])
+                moved = await asyncio.wait_for(read_moved(stack, running, seen), 30)
+            finally:
+                task.cancel()
+            return stack, moved
+
+    stack, moved = asyncio.run(main())
+    assert moved.last_delta.owner_pipeline_id == "p-adopter"
     assert stack.service.scheduler.requests == {}
     assert_whole(stack)
 

@@ -11,12 +11,16 @@ import time
 import grpc
 import pytest
 
+from services.common.errors import PipelineUnavailable
 from services.common.pb import plan_to_pb
 from services.common.proto.conveyor.v1 import worker_pb2, worker_pb2_grpc
 from services.common.redis_server import free_port
 from services.common.sampling import SamplingParams
 from services.common.step import CachedRequest, NewRequest, StepPlan
-from services.scheduler.pipeline import join_plans
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.pipeline import Pipeline, join_plans
+from services.scheduler.service import SchedulerService
+from services.scheduler.store import RedisStateStore
 from services.worker.config import WorkerConfig
 from services.worker.server import SESSION_WAIT_S
 from services.worker.sim import MODELS_DIR
@@ -173,3 +177,55 @@ def test_a_second_schedulers_session_is_refused_while_the_first_runs(worker):
     bad = worker_pb2.StepPlan(step_id=5, following=[worker_pb2.StepPlan(step_id=3)])
     reports = asyncio.run(_run(worker, [bad.SerializeToString()], 2))  # a session again
     assert [r.step_id for r in reports if "came after step 5" in r.error] == [3]
+
+
+def test_a_stage_says_it_took_the_session_and_a_refused_one_is_never_whole(worker):
+    """`Pipeline.open` returns only once every stage took the session (the Run's initial
+    metadata): a second scheduler's open is refused, naming the cause, rather than returning
+    at once and leaving its scheduler SERVING for the worker's whole wait."""
+
+    async def main():
+        first = Pipeline([worker])
+        await first.open()  # taken: returns
+        second = Pipeline([worker])
+        try:
+            with pytest.raises(PipelineUnavailable) as refused:
+                await second.open()
+            assert not second._calls, "a refused session's calls are closed"
+        finally:
+            await first.shutdown()
+            await second.shutdown()
+        return str(refused.value)
+
+    message = asyncio.run(main())
+    assert "refused the session: UNAVAILABLE" in message
+    assert "serves another scheduler's session" in message
+
+
+def test_a_scheduler_whose_stage_serves_another_is_never_serving(worker, redis_url):
+    """The whole service: while another session holds its stage, the scheduler stays
+    NOT_SERVING (it was SERVING ~5 s of every ~5.5 s retry, and routers sent it requests
+    that got no token), saying why; once that session ends, it serves."""
+
+    async def main():
+        other = Pipeline([worker])
+        await other.open()
+        store = RedisStateStore(redis_url.rsplit("/", 1)[0] + "/9")
+        service = SchedulerService(SchedulerConfig(), Pipeline([worker]), store)
+        starting = asyncio.create_task(service.start())
+        verdicts = set()
+        deadline = time.monotonic() + 2.5 * SESSION_WAIT_S
+        while time.monotonic() < deadline:
+            verdicts.add(service.not_serving_reason is None)
+            await asyncio.sleep(0.05)
+        reason = service.not_serving_reason
+        await other.shutdown()
+        await asyncio.wait_for(starting, 4 * SESSION_WAIT_S)
+        serving = service.serving
+        await service.stop()
+        return verdicts, reason, serving
+
+    verdicts, reason, serving = asyncio.run(main())
+    assert verdicts == {False}, "SERVING while another scheduler's session held the stage"
+    assert "refused the session" in reason and "serves another scheduler's session" in reason
+    assert serving

@@ -135,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"aborted (default: {_default('orphan_timeout_s')})",
     )
     parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=_default("step_timeout_s"),
+        help="seconds with steps in flight and none finished before a stage counts as hung: "
+        "the pipeline is re-formed, and a request whose step times out alone is failed "
+        f"(default: {_default('step_timeout_s'):g})",
+    )
+    parser.add_argument(
         "--store-grace",
         type=float,
         default=_default("store_grace_s"),
@@ -251,6 +259,7 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
         max_waiting=args.max_waiting,
         finished_ttl_s=args.finished_ttl,
         orphan_timeout_s=args.orphan_timeout,
+        step_timeout_s=args.step_timeout,
         store_grace_s=args.store_grace,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint,

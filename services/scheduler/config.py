@@ -112,6 +112,11 @@ class SchedulerConfig:
     """A request nobody listens to (its router or client went away, or it was recovered
     after a restart and no router resumed it) is aborted after this many seconds
     (`--orphan-timeout`)."""
+    step_timeout_s: float = 60.0
+    """Steps in flight and none finished for this long: a stage is hung (a stopped process,
+    a wedged kernel or collective) or the step is too long for it. The pipeline is re-formed
+    and the oldest step's requests run alone; one that times out alone is failed
+    (`--step-timeout`; vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s, does the same)."""
     store_grace_s: float = 3.0
     """Redis write failures shorter than this are ridden out (tokens stay buffered); longer
     ones turn health NOT_SERVING and refuse new requests (`--store-grace`)."""
@@ -234,7 +239,13 @@ class SchedulerConfig:
         if self.advertise_address is not None and ":" not in self.advertise_address:
             raise ConfigError(f"advertise_address {self.advertise_address!r} must be HOST:PORT")
         _at_least("announce_max_blocks", self.announce_max_blocks, 0)
-        for name in ("orphan_timeout_s", "store_grace_s", "announce_ttl_s", "adopt_grace_s"):
+        for name in (
+            "orphan_timeout_s",
+            "step_timeout_s",
+            "store_grace_s",
+            "announce_ttl_s",
+            "adopt_grace_s",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} is out of range: must be > 0 seconds")

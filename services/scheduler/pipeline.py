@@ -337,15 +337,19 @@ class Pipeline:
         return len(self.addresses) // self.tp_size
 
     async def timelines(
-        self, include_steps: bool = False, reset: bool = False, return_exceptions: bool = False
+        self,
+        include_steps: bool = False,
+        reset: bool = False,
+        return_exceptions: bool = False,
+        timeout_s: float = 10.0,
     ):
         """Every stage's Timeline (stage order; a stage's tp rank 0 speaks for it, its peers
-        run in lockstep); raises grpc errors for a stage that is gone, or with
-        `return_exceptions` puts the error in that stage's place."""
+        run in lockstep); raises grpc errors for a stage that is gone or does not answer
+        within `timeout_s`, or with `return_exceptions` puts the error in that stage's place."""
         request = worker_pb2.GetTimelineRequest(include_steps=include_steps, reset=reset)
         return await asyncio.gather(
             *[
-                s.GetTimeline(request, timeout=10, metadata=self._metadata)
+                s.GetTimeline(request, timeout=timeout_s, metadata=self._metadata)
                 for s in self._stubs[:: self.tp_size]
             ],
             return_exceptions=return_exceptions,

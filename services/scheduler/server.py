@@ -27,6 +27,8 @@ from services.scheduler.weights import WeightControl
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+STATS_TIMELINE_TIMEOUT_S = 2.0
+"""GetStats waits this long for a stage's timeline (its bubble), then reports without it."""
 
 
 PAUSE_MODES = {
@@ -195,11 +197,15 @@ async def stats_to_pb(
     for request_id in core.running:
         msg.request_blocks[request_id] = len(core.block_manager.block_table(request_id))
     try:
-        timelines = await service.pipeline.timelines(reset=reset_timelines)
+        # A stage that is gone or hung leaves the bubbles out, not the stats: they are what
+        # an operator reads to find it.
+        timelines = await service.pipeline.timelines(
+            reset=reset_timelines, timeout_s=STATS_TIMELINE_TIMEOUT_S
+        )
         msg.bubble_fraction.extend(t.bubble_fraction for t in timelines)
         msg.plan_wait_fraction.extend(t.plan_wait_fraction for t in timelines)
     except grpc.RpcError:
-        pass  # a stage is gone; the stats say serving=false
+        pass
     return msg
 
 

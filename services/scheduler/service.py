@@ -117,6 +117,9 @@ class SchedulerService:
         """Unfinished requests without a subscriber, and since when (monotonic s)."""
         self._step_requests: dict[int, list[str]] = {}
         """The requests of every step in flight (a stage failure names its step)."""
+        self._progress_at = 0.0
+        """When a step last finished, or the first of those in flight was sent (monotonic s):
+        the start of the wait `step_timeout_s` bounds."""
         self._reaper: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._subscribers: dict[str, list[Subscriber]] = {}
@@ -500,6 +503,8 @@ class SchedulerService:
                     continue
                 break
             self.counters.num_steps += 1
+            if self._inflight == 0:
+                self._progress_at = time.monotonic()
             self._inflight += 1
             if lead is not None:
                 lead.planned(plan.step_id, held_ns)
@@ -523,6 +528,9 @@ class SchedulerService:
             # plan again soon rather than wait for a report that will not come.
             is_idle = self._inflight == 0 and self.pause_mode is None
             timeout = 0.05 if is_idle and self.scheduler.has_unfinished else None
+            if self._inflight:  # a hung stage must not hold the loop (and health) forever
+                due = self._progress_at + self.config.step_timeout_s
+                timeout = max(0.0, due - time.monotonic())
             done, _ = await asyncio.wait(
                 {getter, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
@@ -532,6 +540,8 @@ class SchedulerService:
             self._held_ns = self._held_ns + time.monotonic_ns() - idle_since if is_full else 0
             if getter not in done:
                 getter.cancel()
+                if self._inflight and self._is_step_overdue():
+                    raise self._hung()
                 return
             item = getter.result()
         else:
@@ -573,6 +583,7 @@ class SchedulerService:
             lead.reported(report.step_id, time.monotonic_ns())
         self._step_requests.pop(report.step_id, None)
         self._inflight -= 1
+        self._progress_at = time.monotonic()
         self.counters.num_reports += 1
         if self.observer is not None:
             self.observer.begin_step(report.step_id)
@@ -582,6 +593,19 @@ class SchedulerService:
         except ValueError as exc:  # a stage that sends nonsense is broken: re-form the pipeline
             raise PipelineBroken(f"stage {item.stage} sent a malformed report: {exc}") from exc
         self.scheduler.apply_result(result, runs)
+
+    def _is_step_overdue(self) -> bool:
+        return time.monotonic() - self._progress_at >= self.config.step_timeout_s
+
+    def _hung(self) -> PipelineBroken:
+        """No step finished for `step_timeout_s`: the oldest step's requests are suspects
+        (a step too long for a stage fails alone, a hung stage fails whatever runs)."""
+        oldest = next(iter(self._step_requests), None)
+        return PipelineBroken(
+            f"no step finished for {self.config.step_timeout_s:g} s with {self._inflight} in "
+            "flight (--step-timeout): a stage is hung, or the step is too long for it",
+            self._step_requests.get(oldest),
+        )
 
     # ------------------------------------------------------------------ persisting
     def _write_behind(self) -> None:

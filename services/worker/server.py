@@ -168,8 +168,8 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
         except TimeoutError:
             raise PipelineUnavailable(
                 f"stage {self.stage} serves another scheduler's session (from "
-                f"{self._session_peer}): one scheduler drives a pipeline; check the --workers "
-                "of both"
+                f"{self._session_peer}), or its last step has not ended (a hung stage): one "
+                "scheduler drives a pipeline; check the --workers of both"
             ) from None
         self._session_peer = context.peer()
         try:

@@ -9,6 +9,8 @@ file order); `conveyor up` restarts what was killed.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -186,3 +188,36 @@ def test_redis_paused_streams_complete_and_health_says_not_serving(stack, redis_
         f"health never said NOT_SERVING while Redis was paused past --store-grace: {statuses}"
     )
     _check_after(stack, redis_proc)
+
+
+def test_a_stopped_worker_is_found_hung_and_nothing_is_lost(stack, redis_proc, reference):
+    """A stage that stops answering without dying (SIGSTOP: as a wedged kernel or collective
+    would): past --step-timeout (10 s here) the scheduler says NOT_SERVING, naming the hung
+    stage, rather than wait forever SERVING; once it runs again every stream completes
+    exactly."""
+    expected = reference(8)
+    reasons: list[str] = []
+
+    def stop_worker() -> None:
+        pid = stack.kill("worker 1", signal.SIGSTOP)
+        try:
+            wait_until(lambda: _not_serving_reason(stack, reasons), 120, interval_s=0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    outcomes = stack.run_streams(
+        _prompts(8), MAX_TOKENS, fault=stop_worker, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
+    )
+    _assert_exact(outcomes, expected)
+    assert "--step-timeout" in reasons[-1], reasons
+    _check_after(stack, redis_proc)
+
+
+def _not_serving_reason(stack: UpStack, reasons: list[str]) -> bool:
+    try:
+        stats = stack.stats()
+    except grpc.RpcError:
+        return False
+    if not stats.serving:
+        reasons.append(stats.not_serving_reason)
+    return not stats.serving

@@ -154,9 +154,9 @@ class UpStack:
                 return pid
         raise LookupError(f"no live {kind} under conveyor up")
 
-    def kill(self, kind: str) -> int:
+    def kill(self, kind: str, sig: signal.Signals = signal.SIGKILL) -> int:
         pid = self.child_pid(kind)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         return pid
 
     # -- health and state ---------------------------------------------------------------
@@ -316,7 +316,9 @@ def serving_stack(
     if model is None:
         model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie_word_embeddings=False)
     log = tmp_path_factory.mktemp("up") / "up.log"
-    stack = UpStack(model, redis_proc, log, "--store-grace=1", up_args=up_args)
+    # A stage with steps in flight and none finished for 10 s is hung (the tiny model's
+    # steps take milliseconds; the default 60 s would make the hung-stage test long).
+    stack = UpStack(model, redis_proc, log, "--store-grace=1", "--step-timeout=10", up_args=up_args)
     try:
         stack.wait_serving()
         yield stack

@@ -26,6 +26,9 @@ from services.router.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 PUBLIC_SERVICES = (generation.SERVICE_NAME, kserve.SERVICE_NAME)
+MAX_CONNECTIONS_PER_REQUEST = 8
+"""The HTTP API keeps up to this many connections open per request it may serve at once
+(clients hold idle keep-alive connections in their pools)."""
 
 
 def reflection_pool() -> descriptor_pool.DescriptorPool:
@@ -172,7 +175,9 @@ def http_server(core: RouterCore, config: RouterConfig, security: ServerSecurity
     from services.router.http.app import create_app
     from services.router.http.server import HttpServer
 
-    app = create_app(core, security.authenticator, config.max_message_bytes)
+    app = create_app(
+        core, security.authenticator, config.max_message_bytes, config.max_concurrent_rpcs
+    )
     http = HttpServer(
         app,
         config.host,
@@ -180,7 +185,7 @@ def http_server(core: RouterCore, config: RouterConfig, security: ServerSecurity
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
         tls_client_ca=config.tls_client_ca,
-        max_connections=config.max_concurrent_rpcs,
+        max_connections=MAX_CONNECTIONS_PER_REQUEST * config.max_concurrent_rpcs,
     )
     http.bind()
     return http

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
@@ -27,7 +28,9 @@ from services.common.sampling import SamplingParams
 from services.router.core import RouterCore
 from services.router.http import convert, endpoints, schemas
 from services.router.http.errors import (
+    BodyTimeout,
     BodyTooLarge,
+    ServerBusy,
     error_response,
     on_client_gone,
     on_conveyor_error,
@@ -51,14 +54,29 @@ ENDPOINTS = (
 )
 
 
-def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: int) -> FastAPI:
-    """The app; requests count in core.metrics when metrics are on."""
+BODY_TIMEOUT_S = 30.0
+"""A request body not whole this long after its head is refused (408): a body trickled in
+would otherwise hold one of the requests in flight for as long as its sender likes."""
+UNLIMITED_PATHS = ("/health", "/version")
+"""Probes answer however busy the router is (a liveness probe must not restart it for that)."""
+
+
+def create_app(
+    core: RouterCore,
+    authenticator: Authenticator,
+    max_body_bytes: int,
+    max_requests: int | None = None,
+) -> FastAPI:
+    """The app; requests count in core.metrics when metrics are on; with `max_requests`,
+    one more request in flight is refused (503, Retry-After)."""
     app = FastAPI(title="Conveyor", version=SERVER_VERSION, docs_url=None, redoc_url=None)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ConveyorError, on_conveyor_error)
     app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    if max_requests is not None:
+        app.add_middleware(LimitRequests, max_requests=max_requests)
     if core.metrics is not None:
         app.add_middleware(CountRequests, counter=core.metrics.http_requests)
 
@@ -109,9 +127,36 @@ def create_app(core: RouterCore, authenticator: Authenticator, max_body_bytes: i
     return app
 
 
+class LimitRequests:
+    """Refuses a request beyond `max_requests` in flight (503 with OpenAI's body and
+    Retry-After: 1; --max-concurrent-rpcs, as for gRPC). Only requests count, not open
+    connections: an idle connection holds nothing (server.py closes it)."""
+
+    def __init__(self, app: ASGIApp, max_requests: int):
+        self.app = app
+        self.max_requests = max_requests
+        self.num_requests = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in UNLIMITED_PATHS:
+            return await self.app(scope, receive, send)
+        if self.num_requests >= self.max_requests:
+            busy = ServerBusy(
+                f"the router serves {self.max_requests} HTTP requests already "
+                "(--max-concurrent-rpcs): retry shortly"
+            )
+            return await error_response(busy)(scope, receive, send)
+        self.num_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_requests -= 1
+
+
 class LimitBody:
     """Refuses a request body over `max_bytes` (413) whether or not it declares its length,
-    before the JSON parser sees it (--max-message-bytes, as for gRPC messages)."""
+    before the JSON parser sees it (--max-message-bytes, as for gRPC messages), and one
+    that is not whole within BODY_TIMEOUT_S (408)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -128,20 +173,34 @@ class LimitBody:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await error_response(self._too_large())(scope, receive, send)
-        num_bytes, is_refused = 0, False
+        num_bytes, is_refused, is_whole = 0, False, False
+        deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT_S
+
+        async def refuse(exc: Exception) -> Message:
+            nonlocal is_refused
+            is_refused = True
+            await error_response(exc)(scope, receive, send)
+            return {"type": "http.disconnect"}
 
         async def counted() -> Message:
-            """The body's chunks; past the limit, the 413 goes out and the app sees a client
-            that went away (whatever it answers then is dropped)."""
-            nonlocal num_bytes, is_refused
+            """The body's chunks; past the limit or the deadline, the error goes out and the
+            app sees a client that went away (whatever it answers then is dropped)."""
+            nonlocal num_bytes, is_whole
             if is_refused:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if is_whole:  # after the body: waits for a disconnect, as long as it takes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await refuse(
+                    BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+                )
+            is_whole = not message.get("more_body", False)
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
-                is_refused = True
-                await error_response(self._too_large())(scope, receive, send)
-                return {"type": "http.disconnect"}
+                return await refuse(self._too_large())
             return message
 
         async def unless_refused(message: Message) -> None:

@@ -20,10 +20,20 @@ class BodyTooLarge(errors.InvalidRequest):
     """A request body over --max-message-bytes (HTTP 413)."""
 
 
+class BodyTimeout(errors.InvalidRequest):
+    """A request body that did not arrive in time (HTTP 408)."""
+
+
+class ServerBusy(errors.PipelineUnavailable):
+    """The router serves its limit of HTTP requests already (HTTP 503, Retry-After)."""
+
+
 # (exception, HTTP status, OpenAI error type, code); the first match wins
 _STATUSES: list[tuple[type[BaseException], int, str, str | None]] = [
     (errors.ModelNotFound, 404, "invalid_request_error", "model_not_found"),
     (BodyTooLarge, 413, "invalid_request_error", "request_too_large"),
+    (BodyTimeout, 408, "invalid_request_error", "request_timeout"),
+    (ServerBusy, 503, "service_unavailable_error", "server_busy"),
     (errors.InvalidRequest, 400, "invalid_request_error", None),
     (errors.ModelLoadError, 400, "invalid_request_error", None),  # e.g. no chat template
     (errors.Unauthenticated, 401, "authentication_error", "invalid_api_key"),
@@ -50,6 +60,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     if status == 500:
         logger.exception("HTTP request failed", exc_info=exc)
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    if isinstance(exc, ServerBusy):
+        headers = {"retry-after": "1"}
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 

@@ -40,6 +40,46 @@ def bind(host: str, port: int) -> socket.socket:
         ) from exc
 
 
+HEADER_TIMEOUT_S = 10.0
+"""A connection that has not sent a whole request head this long after it opened, or after
+its last response, is closed (uvicorn has no such timeout: idle or trickling connections
+stayed open for good and, counted against its limit, kept everyone else out)."""
+
+
+def guarded(protocol: type, max_connections: int | None) -> type:
+    """uvicorn's HTTP protocol class with a request-head timeout and a connection cap (a
+    connection over the cap is closed at once; requests are limited by the app)."""
+
+    class Guarded(protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if max_connections is not None and len(self.connections) > max_connections:
+                logger.warning(
+                    "HTTP: %d connections open (the cap is %d): closing a new one",
+                    len(self.connections) - 1,
+                    max_connections,
+                )
+                transport.close()
+                return
+            self._arm_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_timer()
+
+        def _arm_head_timer(self) -> None:
+            # A new request replaces `cycle`: the same one at the deadline means none came.
+            armed = self.cycle
+            self.loop.call_later(HEADER_TIMEOUT_S, self._close_unless_asked, armed)
+
+        def _close_unless_asked(self, armed) -> None:
+            if self.cycle is armed and not self.transport.is_closing():
+                self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{protocol.__name__}"
+    return Guarded
+
+
 @dataclass
 class HttpServer:
     """An ASGI app served on one port until `stop()`."""
@@ -52,7 +92,8 @@ class HttpServer:
     tls_client_ca: str | None = None
     """PEM CA whose client certificates the port requires; None: none asked."""
     max_connections: int | None = None
-    """Connections and requests at once; one more is answered 503 by uvicorn."""
+    """Open connections at once; one more is closed as it is accepted (requests in flight
+    have their own limit: app.LimitRequests)."""
     _server: uvicorn.Server | None = field(default=None, init=False)
     _loop_task: asyncio.Task | None = field(default=None, init=False)
     _sockets: list[socket.socket] = field(default_factory=list, init=False)
@@ -74,10 +115,10 @@ class HttpServer:
             ssl_keyfile=self.tls_key,
             ssl_ca_certs=self.tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if self.tls_client_ca else ssl.CERT_NONE,
-            limit_concurrency=self.max_connections,
             timeout_graceful_shutdown=5,
         )
         config.load()
+        config.http_protocol_class = guarded(config.http_protocol_class, self.max_connections)
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=self._sockets)

@@ -33,6 +33,7 @@ import signal
 from collections.abc import Callable, Sequence
 
 import grpc
+from grpc._cython.cygrpc import _ServerStoppedError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -145,6 +146,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception, method: str):
         if isinstance(exc, grpc.aio.AbortError):
             raise exc
+        if isinstance(exc, _ServerStoppedError):  # a call cut by our own stop: no error
+            logger.debug("%s %s ended by the server's stop", self.service, method)
+            return
         code = status_for(exc)
         if code is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.ConveyorError):
             logger.error("%s %s failed", self.service, method, exc_info=exc)

@@ -129,7 +129,8 @@ class ApiKeyAuth:
         if call.bearer is None:
             raise Unauthenticated(
                 "this router needs an API key: send it as `authorization: Bearer <key>` "
-                "metadata (conveyor generate and the Python client read CONVEYOR_API_KEY)"
+                "(a gRPC metadata entry or an HTTP header; conveyor generate and the Python "
+                "client read CONVEYOR_API_KEY, the openai client takes api_key)"
             )
         principal = self._keys.get(digest(call.bearer))
         if principal is None:

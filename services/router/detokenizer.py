@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context, as in vLLM (INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 PROMPT_CONTEXT_TOKENS = 5
+INVALID_RUN = REPLACEMENT_CHAR * 2
+"""A character still waiting for its last bytes decodes as one U+FFFD; two in a row at the
+end are invalid bytes that no later token completes, so they go out as they are. (Held back,
+every step decoded the whole run again: a long run of invalid byte tokens cost quadratic
+time on the router's event loop.)"""
 
 
 @dataclass(slots=True)
@@ -81,7 +86,8 @@ class IncrementalDetokenizer:
         self.num_generated += len(new_token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        is_waiting = new_text.endswith(REPLACEMENT_CHAR) and not new_text.endswith(INVALID_RUN)
+        if len(new_text) <= len(prefix_text) or is_waiting:
             return ""  # nothing new, or a character still waits for its last bytes
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -7,7 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.models.tiny import make_tiny_model
-from services.router.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from services.router.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+)
 from services.router.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "Grüße 日本語 and 你好 🙂👍🏽🚀👨‍👩‍👧 done."
@@ -101,3 +104,18 @@ def test_detokenizer_resumed_at_any_offset_adds_up_to_the_text(tok):
         after = _stream(resumed, ids[offset:])
         assert all(REPLACEMENT_CHAR not in delta for delta in before + after), offset
         assert "".join(before + after) == MULTIBYTE_TEXT, offset
+
+
+def test_detokenizer_lets_a_run_of_invalid_bytes_go_as_replacement_characters(tok):
+    """Continuation bytes with no start byte never complete a character: they are not held
+    back for good (each step decoded the whole held run again: quadratic time on the
+    router's loop for a long run), and the stream still adds up to the text."""
+    byte_token = next(
+        i
+        for i in range(tok.vocab_size)
+        if tok.decode([i]) == REPLACEMENT_CHAR and tok.decode([i, i]) == REPLACEMENT_CHAR * 2
+    )
+    ids = [byte_token] * 100 + tok.encode(" ok", add_special_tokens=False)
+    deltas = _stream(IncrementalDetokenizer(tok), ids)
+    assert all(deltas[1:100]), "held back until the run ends"
+    assert "".join(deltas) == tok.decode(ids)

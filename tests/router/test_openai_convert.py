@@ -61,6 +61,29 @@ def test_convert_refuses_what_it_would_ignore():
     convert.check_model(None, LIMITS)
 
 
+def test_convert_refuses_message_fields_it_would_ignore():
+    """A message's tool_calls, name or tool_call_id were dropped without a word (the model
+    saw an empty assistant turn); an echo on chat named logprobs nobody asked for."""
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "x", "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "1", "tool_call_id": "a"},
+    ]
+    chat = schemas.ChatCompletionRequest(messages=messages)
+    with pytest.raises(InvalidRequest) as refused:
+        convert.chat_input(chat, 5, 1)
+    assert str(refused.value) == (
+        "unsupported parameter(s): messages[0].name, messages[1].tool_calls, "
+        "messages[2].tool_call_id"
+    )
+    plain = [{"role": "user", "content": "x", "name": None}]  # null is "not sent"
+    convert.chat_input(schemas.ChatCompletionRequest(messages=plain), 5, 1)
+    echo = schemas.ChatCompletionRequest(messages=plain, echo=True)
+    with pytest.raises(InvalidRequest, match=r"^unsupported parameter\(s\): echo$"):
+        convert.chat_input(echo, 5, 1)
+
+
 def test_convert_usage_counts_each_prompt_once():
     def last(prompt: int, completion: int) -> OutputDelta:
         return OutputDelta("", [], 0, finish_reason="stop", usage=Usage(prompt, completion, 1))

@@ -39,8 +39,11 @@ def check_supported(body: schemas.SamplingFields) -> None:
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
         unsupported.append("best_of (other than n)")
-    if getattr(body, "echo", False) and getattr(body, "logprobs", None) is not None:
+    if getattr(body, "echo", False) and getattr(body, "logprobs", None) not in (None, False):
         unsupported.append("echo with logprobs (prompt logprobs)")
+    for i, message in enumerate(getattr(body, "messages", ())):  # tool_calls, name, ...
+        given = dict(message.model_extra or {}, name=message.name)
+        unsupported += [f"messages[{i}].{k}" for k, v in sorted(given.items()) if v is not None]
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed with stream=true")
     if unsupported:

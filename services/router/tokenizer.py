@@ -15,8 +15,10 @@ transformers' `apply_chat_template(tokenize=True)` does.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,20 @@ from services.router.chat_template import render_chat_template
 logger = logging.getLogger(__name__)
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A SentencePiece byte-fallback token (Llama-2 spells a byte it has no piece for so)."""
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character: character ->
+    byte (the printable ASCII and Latin-1 bytes as themselves, the rest from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    moved = [b for b in range(256) if b not in kept]
+    alphabet = {chr(b): b for b in kept}
+    alphabet.update({chr(256 + i): b for i, b in enumerate(moved)})
+    return alphabet
 
 
 def _read_json(path: Path) -> dict:
@@ -66,6 +82,7 @@ class Tokenizer:
     chat_template: str | None = None
     model_dir: Path | None = None
     _special_ids: frozenset[int] = field(default_factory=frozenset)
+    _is_byte_level: bool = False
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> Tokenizer:
@@ -117,6 +134,7 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
             model_dir=model_dir,
             _special_ids=special_ids,
+            _is_byte_level=type(backend.decoder).__name__ == "ByteLevel",
         )
 
     @property
@@ -143,6 +161,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`: a character split
+        across tokens is rebuilt by joining them): a byte-level token's own bytes, a
+        byte-fallback token's byte, else the UTF-8 of its text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is not None and not self.is_special(token_id):
+            alphabet = _byte_level_alphabet()
+            if self._is_byte_level and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            if match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match[1], 16)])
+        return self.decode([token_id]).encode()
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (byte-level form), None when out of range."""

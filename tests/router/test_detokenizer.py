@@ -119,3 +119,11 @@ def test_detokenizer_lets_a_run_of_invalid_bytes_go_as_replacement_characters(to
     deltas = _stream(IncrementalDetokenizer(tok), ids)
     assert all(deltas[1:100]), "held back until the run ends"
     assert "".join(deltas) == tok.decode(ids)
+
+
+def test_token_bytes_rebuild_text_split_across_tokens(tok):
+    """OpenAI's logprobs `bytes`: joined, the tokens' bytes are the text (they were each
+    token's lossy text, U+FFFD for every byte token)."""
+    ids = tok.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == MULTIBYTE_TEXT
+    assert tok.token_bytes(tok.eos_token_id) == tok.decode([tok.eos_token_id]).encode()

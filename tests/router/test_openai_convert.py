@@ -6,6 +6,7 @@ import pytest
 
 from services.common.errors import InvalidRequest, ModelNotFound
 from services.common.sampling import MAX_SEED
+from services.common.step import TokenLogprobs
 from services.router.http import convert, schemas
 from services.router.output import OutputDelta, Usage
 from services.router.request import ModelLimits
@@ -91,3 +92,19 @@ def test_convert_usage_counts_each_prompt_once():
     usage = convert.usage_of([last(5, 2), last(5, 3), last(7, 4), last(7, 1)], n=2)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (12, 10, 22)
     assert usage.prompt_tokens_details.cached_tokens == 2
+
+
+def test_logprobs_bytes_and_top_tokens_that_read_alike(tiny_tokenizer):
+    """Chat `bytes` are each token's own bytes (joined, the text, also a character split
+    across byte tokens); completions' top_logprobs keep the likelier of tokens that read
+    alike (all byte tokens read U+FFFD), not the last one."""
+    ids = tiny_tokenizer.encode("ok 🎉", add_special_tokens=False)
+    byte_ids = [i for i in ids if tiny_tokenizer.decode([i]) == "\ufffd"]
+    assert len(byte_ids) >= 2  # the emoji is split
+    top = TokenLogprobs(-0.5, [byte_ids[0], byte_ids[1]], [-0.5, -4.0])
+    delta = OutputDelta("", ids, 0, logprobs=[top] * len(ids))
+    content = convert.ChoiceLogprobs(tiny_tokenizer).chat(delta).content
+    assert bytes(b for entry in content for b in entry.bytes).decode() == "ok 🎉"
+    assert content[0].top_logprobs[1].bytes == list(tiny_tokenizer.token_bytes(byte_ids[1]))
+    completion = convert.ChoiceLogprobs(tiny_tokenizer).completion(delta)
+    assert completion.top_logprobs[0] == {"\ufffd": -0.5}

@@ -188,33 +188,40 @@ class ChoiceLogprobs:
         return self.tokenizer.decode([token_id])
 
     def _tokens(self, out: OutputDelta):
-        """(token text, its TokenLogprobs, [(top token text, logprob)]) per output token."""
+        """(token id, its TokenLogprobs, [(top token id, logprob)]) per output token."""
         # one TokenLogprobs per token when logprobs were asked for
         for token_id, lp in zip(out.token_ids, out.logprobs, strict=False):
-            top = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-            yield self.token_text(token_id), lp, [(self.token_text(t), v) for t, v in top]
+            yield token_id, lp, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
 
     def completion(self, out: OutputDelta) -> schemas.CompletionLogprobs:
         result = schemas.CompletionLogprobs()
-        for text, lp, top in self._tokens(out):
+        for token_id, lp, top in self._tokens(out):
+            text = self.token_text(token_id)
             result.tokens.append(text)
             result.token_logprobs.append(lp.token_logprob)
-            result.top_logprobs.append(dict(top))
+            # Tokens of one text (byte tokens all read U+FFFD) share a key: the likelier
+            # one's logprob stays (the top ones come first), not the last one's.
+            alternatives: dict[str, float] = {}
+            for top_id, logprob in top:
+                alternatives.setdefault(self.token_text(top_id), logprob)
+            result.top_logprobs.append(alternatives)
             result.text_offset.append(self.text_offset)
             self.text_offset += len(text)
         return result
 
     def chat(self, out: OutputDelta) -> schemas.ChatLogprobs:
+        def entry(token_id: int, logprob: float, cls=schemas.TopLogprob, **more):
+            raw = self.tokenizer.token_bytes(token_id)
+            return cls(token=self.token_text(token_id), logprob=logprob, bytes=list(raw), **more)
+
         content = [
-            schemas.TokenLogprob(
-                token=text,
-                logprob=lp.token_logprob,
-                bytes=list(text.encode()),
-                top_logprobs=[
-                    schemas.TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top
-                ],
+            entry(
+                token_id,
+                lp.token_logprob,
+                schemas.TokenLogprob,
+                top_logprobs=[entry(t, v) for t, v in top],
             )
-            for text, lp, top in self._tokens(out)
+            for token_id, lp, top in self._tokens(out)
         ]
         return schemas.ChatLogprobs(content=content)
 

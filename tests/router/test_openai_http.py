@@ -271,6 +271,9 @@ def test_http_malformed_requests_get_openai_errors(fake, http_router):
     assert "not valid JSON" in body["error"]["message"] and body["error"]["param"] is None
     status, body = get(url, KEY, json.dumps({"prompt": "x", "n": 0}).encode())
     assert status == 400 and body["error"]["param"] == "n"
+    for field, value in (("temperature", -1), ("top_p", 0), ("seed", -1)):  # the core's checks
+        status, body = get(url, KEY, json.dumps({"prompt": "x", field: value}).encode())
+        assert status == 400 and body["error"]["param"] == field, body
     status, body = get(url, KEY, json.dumps({"model": MODEL}).encode())
     assert status == 400 and "prompt" in body["error"]["message"]
     status, body = get(url, KEY, json.dumps({"prompt": "x" * 100_000}).encode())

@@ -4,6 +4,7 @@ services/common/serving.py's gRPC mapping: the messages are the same)."""
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,11 +47,20 @@ _STATUSES: list[tuple[type[BaseException], int, str, str | None]] = [
 ]
 
 
+_NAMED_FIELD = re.compile(r"([a-z_][a-z0-9_]*)=")
+"""The core's range errors start with the field they refuse: "temperature=-1 is out of ..."."""
+
+
 def error_body(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """(HTTP status, OpenAI error body) of an exception; 500 for anything unexpected."""
+    """(HTTP status, OpenAI error body) of an exception; 500 for anything unexpected. A
+    400 names the field it refuses in `param` where its message starts with `field=`."""
     for exc_type, status, kind, code in _STATUSES:
         if isinstance(exc, exc_type):
-            return status, ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=code))
+            message = str(exc)
+            named = _NAMED_FIELD.match(message) if status == 400 else None
+            param = named[1] if named else None
+            info = ErrorInfo(message=message, type=kind, code=code, param=param)
+            return status, ErrorResponse(error=info)
     message = f"internal error in the router: {type(exc).__name__}: {exc}"
     return 500, ErrorResponse(error=ErrorInfo(message=message, type="server_error"))
 

@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 RECOVER_RETRY_S = (1.0, 30.0)
 """First and longest wait between tries to read the request state from Redis at start."""
+HUNG_RECHECK_S = 1.0
+"""Past --step-timeout the loop waits this much more for a report before it calls a stage
+hung: a scheduler that was itself paused has its reports still unread in the sockets."""
 
 
 class Subscriber(Protocol):
@@ -538,12 +541,18 @@ class SchedulerService:
             # A full window kept the loop from planning all this time (a wake for a new
             # request while full adds to it); idle for want of work, nothing was held.
             self._held_ns = self._held_ns + time.monotonic_ns() - idle_since if is_full else 0
-            if getter not in done:
+            if getter in done:
+                item = getter.result()
+            else:
                 getter.cancel()
-                if self._inflight and self._is_step_overdue():
-                    raise self._hung()
-                return
-            item = getter.result()
+                if not (self._inflight and self._is_step_overdue()):
+                    return
+                # This process stalled (a paused VM) looks the same: reports may wait in
+                # the sockets, unread. Let the readers run before blaming a stage.
+                try:
+                    item = await asyncio.wait_for(reports.get(), HUNG_RECHECK_S)
+                except TimeoutError:
+                    raise self._hung() from None
         else:
             item = reports.get_nowait()
         # Every report waiting is applied, then persisted in one round trip: a scheduler that
@@ -804,13 +813,20 @@ class SchedulerService:
         self._is_pipeline_whole = True
         self._update_health()
 
-    async def _wait_for_stages(self) -> None:
+    async def _wait_for_stages(self, cause: str | None = None) -> None:
+        """Until every stage answers Describe; health says what is missing meanwhile (after
+        `cause`, what broke the pipeline)."""
+        last = None
         while True:
             try:
-                info = await self.pipeline.wait_ready()
+                info = await self.pipeline.describe()
                 self._check_stage_weights(info.weight_versions)
                 return
-            except PipelineUnavailable:
+            except PipelineUnavailable as exc:
+                if str(exc) != last:
+                    logger.info("%s", exc)
+                    last = str(exc)
+                self._update_health(f"{cause}; now {exc}" if cause else str(exc))
                 await asyncio.sleep(0.5)
 
     def _store_failed(self, exc: StateStoreError) -> None:
@@ -879,7 +895,7 @@ class SchedulerService:
             self._publish_failure(request, reason)
         await self.pipeline.close()
         self.scheduler.requeue_running()
-        await self._wait_for_stages()
+        await self._wait_for_stages(f"pipeline not whole: {reason}")
         await self._open_session()
         logger.info("pipeline whole again; resuming %d requests", len(self.scheduler.requests))
 

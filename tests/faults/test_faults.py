@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -201,7 +202,9 @@ def test_a_stopped_worker_is_found_hung_and_nothing_is_lost(stack, redis_proc, r
     def stop_worker() -> None:
         pid = stack.kill("worker 1", signal.SIGSTOP)
         try:
+            # first the timeout, then which stage does not answer
             wait_until(lambda: _not_serving_reason(stack, reasons), 120, interval_s=0.5)
+            wait_until(lambda: "unreachable" in _reason(stack, reasons), 60, interval_s=0.5)
         finally:
             os.kill(pid, signal.SIGCONT)
 
@@ -209,7 +212,8 @@ def test_a_stopped_worker_is_found_hung_and_nothing_is_lost(stack, redis_proc, r
         _prompts(8), MAX_TOKENS, fault=stop_worker, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
     )
     _assert_exact(outcomes, expected)
-    assert "--step-timeout" in reasons[-1], reasons
+    assert "--step-timeout" in reasons[0], reasons
+    assert "--step-timeout" in reasons[-1] and "unreachable" in reasons[-1], reasons
     _check_after(stack, redis_proc)
 
 
@@ -221,3 +225,29 @@ def _not_serving_reason(stack: UpStack, reasons: list[str]) -> bool:
     if not stats.serving:
         reasons.append(stats.not_serving_reason)
     return not stats.serving
+
+
+def _reason(stack: UpStack, reasons: list[str]) -> str:
+    _not_serving_reason(stack, reasons)
+    return reasons[-1] if reasons else ""
+
+
+def test_a_stopped_scheduler_does_not_take_itself_for_a_hung_stage(stack, redis_proc, reference):
+    """The scheduler paused past --step-timeout (a paused VM): back, its stages' reports
+    wait unread in the sockets, and it must read them rather than call a stage hung and
+    re-form the pipeline (which recomputed every request and threw the prefix cache away)."""
+    expected = reference(9)
+    log = Path(stack.log.name)
+    before = log.read_text().count("a stage is hung")
+
+    def stop_scheduler() -> None:
+        pid = stack.kill("scheduler", signal.SIGSTOP)
+        time.sleep(12)  # past the stack's --step-timeout=10
+        os.kill(pid, signal.SIGCONT)
+
+    outcomes = stack.run_streams(
+        _prompts(9), MAX_TOKENS, fault=stop_scheduler, after_tokens=NUM_STREAMS * MAX_TOKENS // 4
+    )
+    _assert_exact(outcomes, expected)
+    _check_after(stack, redis_proc)
+    assert log.read_text().count("a stage is hung") == before

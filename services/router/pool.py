@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -56,6 +56,13 @@ class Pipeline:
     """Its --pipeline-id once known ("" for a lone pipeline)."""
     is_static: bool = True
     """From --scheduler(s): polled for health; else from an announcement."""
+    is_announced: bool = False
+    """Its scheduler announces itself (in Redis, `discovery`)."""
+    is_expired: bool = False
+    """Its announcement expired (it announced before)."""
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while it is lost: its announcement expired and it does not answer health (another
+    pipeline adopts its requests; its streams are resumed there)."""
 
 
 class SchedulerPool:
@@ -119,6 +126,13 @@ class SchedulerPool:
                 self._apply(announcements)
         static = [p for p in self.pipelines.values() if p.is_static]
         await asyncio.gather(*(self._poll(p, timeout_s) for p in static))
+        for pipeline in self.pipelines.values():
+            # Lost: announced once, its announcement expired, and (a listed one) its
+            # health unanswered too; a live one announces again within a tick.
+            if pipeline.is_announced and pipeline.is_expired and not pipeline.view.serving:
+                pipeline.lost.set()
+            else:
+                pipeline.lost.clear()
 
     def _apply(self, announcements) -> None:
         seen = set()
@@ -126,6 +140,7 @@ class SchedulerPool:
             pipeline = self._add(ann.address, is_static=False)
             seen.add(ann.address)
             pipeline.pipeline_id = ann.pipeline_id
+            pipeline.is_announced, pipeline.is_expired = True, False
             view = pipeline.view
             if not pipeline.is_static:
                 view.serving = ann.serving
@@ -133,7 +148,10 @@ class SchedulerPool:
             view.block_size, view.cache_epoch = ann.block_size, ann.cache_epoch
             view.prefix_hashes = ann.prefix_hashes
         for address, pipeline in self.pipelines.items():
-            if not pipeline.is_static and address not in seen:
+            if address in seen:
+                continue
+            pipeline.is_expired = True
+            if not pipeline.is_static:
                 pipeline.view.serving = False  # its announcement expired: lost
 
     async def _poll(self, pipeline: Pipeline, timeout_s: float) -> None:
@@ -242,7 +260,7 @@ class SchedulerPool:
             while True:
                 try:
                     while True:
-                        msg = await call.read() if pending is None else pending
+                        msg = await _read(pipeline, call) if pending is None else pending
                         pending = None
                         if msg is grpc.aio.EOF:
                             raise StreamBroken("the stream ended before the request finished")
@@ -277,6 +295,25 @@ class SchedulerPool:
                 pipeline.view.stream_ended(opened, time.monotonic())
             if is_done:
                 self._owners.pop(key, None)
+
+
+async def _read(pipeline: Pipeline, call):
+    """`call.read()`, or StreamBroken once `pipeline` is lost. A scheduler that stalls
+    without dying (a stopped process, a paused VM) never breaks its streams: they waited
+    while another pipeline adopted their requests and, nobody resuming them there, aborted
+    them as orphans. A pipeline that does not announce itself is never lost."""
+    if not pipeline.is_announced:
+        return await call.read()
+    reading = asyncio.ensure_future(call.read())
+    lost = asyncio.ensure_future(pipeline.lost.wait())
+    try:
+        await asyncio.wait({reading, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if reading.done():
+            return reading.result()
+    finally:
+        for future in (reading, lost):
+            future.cancel()
+    raise StreamBroken(f"pipeline {pipeline.pipeline_id} is lost (its announcement expired)")
 
 
 @dataclass(slots=True, frozen=True)
@@ -315,7 +352,8 @@ class _Resumer:
         ]
         others.sort(key=lambda p: not p.view.serving)
         tail = [self.failed] if self.failed is not None and self.failed is not owner else []
-        return ([owner] if owner else []) + others + tail
+        # A lost pipeline may be stopped, not dead: a resume there would wait for good.
+        return [p for p in ([owner] if owner else []) + others + tail if not p.lost.is_set()]
 
     async def resume(
         self, offset: int, cause: Exception | None, has_output: bool

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 
 from services.common.proto.conveyor.v1 import common_pb2
 from tests.faults.utils import wait_until
@@ -106,6 +107,34 @@ def test_stalled_pipeline_judged_lost_streams_no_token_the_adopter_lacks(stack, 
     stats = stalled.stats()
     assert stats.num_running + stats.num_waiting == 0
     wait_routed_to(stack, "prefix", stalled, prompts[0])
+
+
+def test_streams_of_a_stopped_pipeline_go_on_at_the_adopter(stack, prompts, reference):
+    """p1's scheduler stops (SIGSTOP) mid-run and stays stopped. A stopped process never
+    breaks its streams: the router's waited on it (while p0 adopted the requests and, nobody
+    resuming them there, aborted them as orphans). The router breaks the streams of a
+    pipeline whose announcement expired and resumes them at p0: every stream ends with HF's
+    tokens while p1 is still stopped."""
+    stalled = stack.pipelines[1]
+    scheduler = stalled.procs["scheduler"]
+    done = {}
+
+    def stream_all() -> None:
+        done["outcomes"] = run_streams(stack.routers["round-robin"], prompts, MAX_TOKENS)
+
+    streams = threading.Thread(target=stream_all, daemon=True)
+    streams.start()
+    wait_until(lambda: stalled.stats().num_running > 0, 60, 0.02)
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        streams.join(120)
+        assert not streams.is_alive(), "the streams of the stopped pipeline waited on it"
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    check_greedy(done["outcomes"], range(len(prompts)), reference)
+    wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
+    client = stack.redis.client()
+    wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
 
 
 def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

@@ -816,18 +816,13 @@ class SchedulerService:
     async def _wait_for_stages(self, cause: str | None = None) -> None:
         """Until every stage answers Describe; health says what is missing meanwhile (after
         `cause`, what broke the pipeline)."""
-        last = None
         while True:
-            try:
-                info = await self.pipeline.describe()
+            try:  # wait_ready logs each new problem
+                info = await self.pipeline.wait_ready(timeout_s=2.0)
                 self._check_stage_weights(info.weight_versions)
                 return
             except PipelineUnavailable as exc:
-                if str(exc) != last:
-                    logger.info("%s", exc)
-                    last = str(exc)
                 self._update_health(f"{cause}; now {exc}" if cause else str(exc))
-                await asyncio.sleep(0.5)
 
     def _store_failed(self, exc: StateStoreError) -> None:
         now = time.monotonic()

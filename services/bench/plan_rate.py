@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from services.common.proto.conveyor.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.redis_server import free_port
 
 _TOKEN = 5
 _MAX_MODEL_LEN = 8192
@@ -107,12 +107,6 @@ async def serve_stages(ports: list[int]) -> None:
         await server.start()
         servers.append(server)
     await asyncio.gather(*(s.wait_for_termination() for s in servers))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Client:
@@ -203,8 +197,8 @@ def run(args: argparse.Namespace) -> dict:
     from services.bench.scheduler_step import _start_redis
 
     redis, redis_url = _start_redis()
-    ports = [_free_port() for _ in range(args.stages)]
-    port = _free_port()
+    ports = [free_port() for _ in range(args.stages)]
+    port = free_port()
     stages = subprocess.Popen(
         [sys.executable, "-m", __spec__.name, "--serve-stages", *map(str, ports)]
     )

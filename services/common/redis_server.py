@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -39,17 +40,37 @@ def find_redis_server() -> str:
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+_random = random.SystemRandom()  # a test's random.seed must not give two processes one port
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 10000  # below: ports other services are commonly configured on
+
+
+def _unclaimed_ports() -> range:
+    """Ports below the kernel's ephemeral range: the OS never gives one to an outgoing
+    connection. A port bound to 0 comes from that range, and before the child bound it a
+    loopback connection (gRPC, Redis, gloo) could take it: `conveyor up` once failed with
+    its router's --http-port in use. Empty where the range starts too low."""
+    try:
+        low, _high = (int(n) for n in Path(EPHEMERAL_PORTS_FILE).read_text().split())
+    except (OSError, ValueError):
+        return range(0)
+    return range(LOWEST_PORT, low)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, and never one this process handed out before. The caller
-    gives it to a child that binds it later, and the OS offers a port released a moment ago
-    again: without the memory, `conveyor up --pipelines 2` once gave two workers the same
-    port."""
+    """A port free on `host` now, never one this process handed out before, and outside the
+    ephemeral range where the OS offers one (`_unclaimed_ports`). The caller gives it to a
+    child that binds it later, and the OS offers a port released a moment ago again: without
+    the memory, `conveyor up --pipelines 2` once gave two workers the same port."""
+    unclaimed = _unclaimed_ports()
     with _handed_out_lock:
         for _ in range(100):
+            port = _random.choice(unclaimed) if unclaimed else 0
             with socket.socket() as sock:
-                sock.bind((host, 0))
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
                 port = sock.getsockname()[1]
             if port not in _handed_out:
                 _handed_out.add(port)

@@ -69,3 +69,30 @@ def test_a_port_the_command_line_names_is_never_handed_out(monkeypatch):
     offered = _OfferedPorts([41000, 41001, 41010, 41011, 41002])
     monkeypatch.setattr(redis_server.socket, "socket", offered)
     assert free_port() == 41002
+
+
+def test_ports_come_from_below_the_ephemeral_range(monkeypatch, tmp_path):
+    """Outgoing connections take ports from the ephemeral range: a port handed out from it
+    could be taken by one before the child binds it (CI once saw the router's --http-port
+    in use)."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    monkeypatch.setattr(redis_server, "EPHEMERAL_PORTS_FILE", str(ranges))
+    ports = [free_port() for _ in range(20)]
+    assert all(redis_server.LOWEST_PORT <= p < 32768 for p in ports), ports
+    ranges.write_text("1024 65535\n")  # nothing below the range: whatever the OS offers
+    assert free_port() > 0
+
+
+def test_a_port_in_use_is_passed_over(monkeypatch, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        picks = iter([taken, free])
+        monkeypatch.setattr(redis_server._random, "choice", lambda _ports: next(picks))
+        monkeypatch.setattr(redis_server, "_handed_out", set())
+        assert free_port() == free

@@ -135,6 +135,9 @@ def test_streams_of_a_stopped_pipeline_go_on_at_the_adopter(stack, prompts, refe
     wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
     client = stack.redis.client()
     wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
+    # p0 adopted every request and its cache holds every prompt: prefix routing would send
+    # the next tests' streams all there.
+    wait_routed_to(stack, "prefix", stalled, prompts[0])
 
 
 def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

@@ -55,6 +55,10 @@ class OutputDelta:
     usage: Usage | None = None
     error: str = ""
     weight_version: int = 0
+    text_lengths: list[int] = field(default_factory=list)
+    """Per token, the characters it added to the text before stop strings are applied: a
+    token that begins a character cut between tokens adds none, the one that completes it
+    adds the character (completions' logprobs `text_offset`)."""
 
 
 @dataclass(slots=True)
@@ -104,9 +108,12 @@ class OutputBuilder:
         offset = self.num_tokens
         texts: list[str] = []
         token_ids: list[int] = []
+        lengths: list[int] = []
         for token_id in delta.token_ids:
             can_stop = self.num_tokens + len(token_ids) >= self.min_tokens
-            texts.append(self.matcher.feed(self.detokenizer.step([token_id]), can_stop))
+            piece = self.detokenizer.step([token_id])
+            lengths.append(len(piece))
+            texts.append(self.matcher.feed(piece, can_stop))
             token_ids.append(token_id)
             if self.matcher.is_stopped:
                 break
@@ -116,7 +123,10 @@ class OutputBuilder:
         if finish is not None and not self.matcher.is_stopped:
             # The held-back characters belong to the last token.
             can_stop = self.num_tokens > self.min_tokens
-            texts.append(self.matcher.feed(self.detokenizer.flush(), can_stop))
+            piece = self.detokenizer.flush()
+            if lengths:
+                lengths[-1] += len(piece)
+            texts.append(self.matcher.feed(piece, can_stop))
             texts.append(self.matcher.flush())
             finish = "stop" if self.matcher.is_stopped else finish
         if finish is None and not token_ids:
@@ -128,6 +138,7 @@ class OutputBuilder:
             logprobs=logprobs,
             finish_reason=finish,
             weight_version=delta.weight_version,
+            text_lengths=lengths,
         )
         if finish is not None:
             self.is_finished = True

@@ -108,3 +108,41 @@ def test_logprobs_bytes_and_top_tokens_that_read_alike(tiny_tokenizer):
     assert content[0].top_logprobs[1].bytes == list(tiny_tokenizer.token_bytes(byte_ids[1]))
     completion = convert.ChoiceLogprobs(tiny_tokenizer).completion(delta)
     assert completion.top_logprobs[0] == {"\ufffd": -0.5}
+
+
+def test_text_offsets_count_a_split_character_once(tiny_tokenizer):
+    """Completions' text_offset: where each token starts in the choice's text. The byte
+    tokens of a split character each read U+FFFD alone; they start where the character does
+    and only the last one moves the offset on (one step each, and all in one delta)."""
+    from services.router.detokenizer import IncrementalDetokenizer
+    from services.router.output import OutputBuilder, SchedulerDelta
+    from services.router.stop import StopMatcher
+
+    text = "ok 🎉 done"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    top = TokenLogprobs(-0.5, [ids[0]], [-0.5])
+    seen = []
+    for chunks in ([[i] for i in ids], [ids]):
+        builder = OutputBuilder(
+            IncrementalDetokenizer.for_prompt(tiny_tokenizer, []), StopMatcher([], False), 0
+        )
+        logprobs = convert.ChoiceLogprobs(tiny_tokenizer)
+        offsets, received = [], ""
+        for n, chunk in enumerate(chunks):
+            last = n == len(chunks) - 1
+            out = builder.add(
+                SchedulerDelta(
+                    n, chunk, [top] * len(chunk), finish_reason="length" if last else None
+                )
+            )
+            received += out.text
+            offsets += logprobs.completion(out).text_offset
+        assert received == text
+        # ['o', 'k', ' \ufffd', '\ufffd', '\ufffd', ' ', 'do', 'ne']: [0, 1, 2, 2, 2, 4, 5, 7]
+        pieces = [tiny_tokenizer.decode([i]) for i in ids]
+        split = [o for p, o in zip(pieces, offsets, strict=True) if "\ufffd" in p]
+        assert len(split) >= 2 and len(set(split)) == 1, (pieces, offsets)
+        for piece, offset in zip(pieces, offsets, strict=True):
+            assert text.startswith(piece.replace("\ufffd", ""), offset), (pieces, offsets)
+        seen.append(offsets)
+    assert seen[0] == seen[1]

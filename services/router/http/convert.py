@@ -195,7 +195,7 @@ class ChoiceLogprobs:
 
     def completion(self, out: OutputDelta) -> schemas.CompletionLogprobs:
         result = schemas.CompletionLogprobs()
-        for token_id, lp, top in self._tokens(out):
+        for i, (token_id, lp, top) in enumerate(self._tokens(out)):
             text = self.token_text(token_id)
             result.tokens.append(text)
             result.token_logprobs.append(lp.token_logprob)
@@ -205,8 +205,10 @@ class ChoiceLogprobs:
             for top_id, logprob in top:
                 alternatives.setdefault(self.token_text(top_id), logprob)
             result.top_logprobs.append(alternatives)
+            # Where the token starts in the choice's text: a character cut between tokens
+            # counts at the token that completes it (each reads U+FFFD alone).
             result.text_offset.append(self.text_offset)
-            self.text_offset += len(text)
+            self.text_offset += out.text_lengths[i] if i < len(out.text_lengths) else len(text)
         return result
 
     def chat(self, out: OutputDelta) -> schemas.ChatLogprobs:

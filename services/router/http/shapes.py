@@ -38,6 +38,7 @@ def joined(outs: list[OutputDelta]) -> OutputDelta:
         finish_reason=outs[-1].finish_reason,
         usage=outs[-1].usage,
         weight_version=max(o.weight_version for o in outs),
+        text_lengths=[n for o in outs for n in o.text_lengths],
     )
 
 

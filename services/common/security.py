@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common import keepalive
 from services.common.auth import (
     Authenticator,
     CallCredentials,
@@ -271,18 +272,27 @@ class ClientSecurity:
         merged = (*self.metadata, *(metadata or ()))
         return merged or None
 
-    def channel(self, address: str, options: Sequence[tuple[str, object]] = ()):
-        """A grpc.aio channel to `address`, over TLS when a CA is set."""
+    def channel(
+        self,
+        address: str,
+        options: Sequence[tuple[str, object]] = (),
+        keepalive_s: tuple[float, float] = (keepalive.PING_INTERVAL_S, keepalive.PING_TIMEOUT_S),
+    ):
+        """A grpc.aio channel to `address`, over TLS when a CA is set, pinging the server
+        (`keepalive_s`: interval and timeout, services/common/keepalive.py)."""
         import grpc
 
+        options = [*keepalive.channel_options(*keepalive_s), *options]
         if not self.is_tls:
             return grpc.aio.insecure_channel(address, options=options)
         return grpc.aio.secure_channel(address, self._credentials(), options=options)
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, object]] = ()):
-        """A blocking grpc channel to `address`, over TLS when a CA is set."""
+        """A blocking grpc channel to `address`, over TLS when a CA is set, pinging the
+        server."""
         import grpc
 
+        options = [*keepalive.channel_options(), *options]
         if not self.is_tls:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self._credentials(), options=options)

@@ -37,7 +37,7 @@ from grpc._cython.cygrpc import _ServerStoppedError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import errors
+from services.common import errors, keepalive
 from services.common.auth import current_principal
 from services.common.security import ServerSecurity, call_credentials, log_security
 
@@ -197,6 +197,7 @@ class GrpcServer:
         security: ServerSecurity | None = None,
         health_port: int | None = None,
         max_concurrent_rpcs: int | None = None,
+        keepalive_s: tuple[float, float] = (keepalive.PING_INTERVAL_S, keepalive.PING_TIMEOUT_S),
     ):
         """
         Args:
@@ -210,6 +211,7 @@ class GrpcServer:
             health_port: a second, plaintext port on `host` serving grpc.health.v1 only.
             max_concurrent_rpcs: RPCs served at once; grpc answers one more with
                 RESOURCE_EXHAUSTED. None: no limit.
+            keepalive_s: (interval, timeout) of the pings to clients (services/common/keepalive.py).
         """
         self.name = name
         self.host = host
@@ -218,7 +220,8 @@ class GrpcServer:
         self.security = security or ServerSecurity()
         # No SO_REUSEPORT: a second process on a taken port is an error, not a silent share
         # of the first one's connections.
-        options = [("grpc.so_reuseport", 0), *options]
+        pings = keepalive.server_options(*keepalive_s)
+        options = [("grpc.so_reuseport", 0), *pings, *options]
         interceptor = ErrorInterceptor(name, self.security)
         self.server = grpc.aio.server(
             interceptors=[interceptor],
@@ -231,7 +234,7 @@ class GrpcServer:
         self.health_address = None
         if health_port is not None:
             self.health_address = f"{host}:{health_port}"
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *pings])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         reflection.enable_server_reflection(
             [*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME],

@@ -1,0 +1,51 @@
+"""HTTP/2 keepalive pings on every Conveyor gRPC connection, both ways.
+
+Without them a peer that vanishes without closing its connection (a host that lost power
+or its network, a process stopped with SIGSTOP, a paused VM) is never noticed: a server
+kept serving a client that was gone (its request, its stream slot), and a client waited on
+a server that would never answer until its own deadline, or for ever without one. With
+them each side pings the other every `PING_INTERVAL_S` while the connection is up, and
+drops it when a ping goes unanswered for `PING_TIMEOUT_S`: the server's calls on it are
+cancelled (a router aborts the request), the client's fail UNAVAILABLE (and are retried
+where the caller retries). See grpc's doc/keepalive.md for the channel arguments.
+"""
+
+from __future__ import annotations
+
+PING_INTERVAL_S = 30.0
+"""How often each side pings the other (idle or not)."""
+PING_TIMEOUT_S = 20.0
+"""How long a ping may go unanswered before the connection is dropped."""
+MIN_CLIENT_PING_INTERVAL_S = 10.0
+"""Servers accept client pings this often (grpc's default, 5 minutes, would answer
+Conveyor's own clients' pings with GOAWAY "too_many_pings")."""
+
+
+def server_options(
+    interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """grpc server options: ping clients, and accept their pings."""
+    return [
+        ("grpc.keepalive_time_ms", int(interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # grpc 1.6x+: what times out
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # a quiet stream is pinged too
+        (
+            "grpc.http2.min_recv_ping_interval_without_data_ms",
+            int(MIN_CLIENT_PING_INTERVAL_S * 1000),
+        ),
+    ]
+
+
+def channel_options(
+    interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """grpc channel options: ping the server (no more often than servers accept)."""
+    return [
+        ("grpc.keepalive_time_ms", int(interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # grpc 1.6x+: what times out
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

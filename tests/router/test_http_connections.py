@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import urllib.request
 
@@ -155,3 +156,79 @@ def test_a_body_that_does_not_arrive_in_time_gets_a_408(monkeypatch):
     assert sent[0]["status"] == 408
     error = json.loads(sent[1]["body"])["error"]
     assert error["code"] == "request_timeout" and "did not arrive" in error["message"]
+
+
+def _serve_stream(monkeypatch, timeout_s: float, client) -> tuple[bool, int]:
+    """A real uvicorn server (HttpServer, the router's protocol guard) whose app streams
+    64 KiB chunks until the client goes; `client(port, closing)` runs in a thread and sets
+    `closing` before it closes its socket. Returns whether the server let the client go
+    while it was still connected, and the bytes the app sent."""
+    from services.router.http import server as http_server
+
+    monkeypatch.setattr(http_server, "WRITE_TIMEOUT_S", timeout_s)
+    gone, closing = asyncio.Event(), threading.Event()
+    dropped = False
+    sent = 0
+
+    async def app(scope, receive, send):
+        nonlocal sent, dropped
+
+        async def watch():
+            nonlocal dropped
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            dropped = not closing.is_set()
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not gone.is_set():
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            sent += 65536
+        watcher.cancel()
+
+    async def main() -> None:
+        port = free_port()
+        server = http_server.HttpServer(app, "127.0.0.1", port)
+        await server.start()
+        try:
+            await asyncio.to_thread(client, port, closing)
+            await asyncio.wait_for(gone.wait(), 30)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    return dropped, sent
+
+
+def test_a_client_that_takes_none_of_its_response_is_dropped(monkeypatch):
+    """uvicorn waits for ever on a client that stopped reading (its host vanished): its
+    request and its slot were held until TCP gave up, ~15 minutes later."""
+
+    def stalled(port: int, closing: threading.Event) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(10)  # reads nothing; the server drops it after 1 s of paused writes
+        closing.set()
+        sock.close()
+
+    dropped, _ = _serve_stream(monkeypatch, 1.0, stalled)
+    assert dropped
+
+
+def test_a_client_that_reads_slowly_keeps_its_connection(monkeypatch):
+    def slow(port: int, closing: threading.Event) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = 0
+            while received < 8 << 20:
+                chunk = sock.recv(1 << 20)
+                assert chunk, "the server dropped a client that reads"
+                received += len(chunk)
+                time.sleep(0.01)
+            closing.set()
+
+    dropped, sent = _serve_stream(monkeypatch, 5.0, slow)
+    assert not dropped and sent >= 8 << 20

@@ -46,11 +46,21 @@ its last response, is closed (uvicorn has no such timeout: idle or trickling con
 stayed open for good and, counted against its limit, kept everyone else out)."""
 
 
+WRITE_TIMEOUT_S = 60.0
+"""A connection whose client has taken none of its response this long (the socket's buffers
+full, uvicorn's writes paused) is dropped, as if the client had gone: its request is
+aborted and its slot freed (uvicorn waits for ever, and a client whose host vanished held
+its request until TCP gave up, ~15 minutes later)."""
+
+
 def guarded(protocol: type, max_connections: int | None) -> type:
-    """uvicorn's HTTP protocol class with a request-head timeout and a connection cap (a
-    connection over the cap is closed at once; requests are limited by the app)."""
+    """uvicorn's HTTP protocol class with a request-head timeout, a write timeout and a
+    connection cap (a connection over the cap is closed at once; requests are limited by
+    the app)."""
 
     class Guarded(protocol):
+        _write_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             if max_connections is not None and len(self.connections) > max_connections:
@@ -75,6 +85,28 @@ def guarded(protocol: type, max_connections: int | None) -> type:
         def _close_unless_asked(self, armed) -> None:
             if self.cycle is armed and not self.transport.is_closing():
                 self.transport.close()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._write_timer = self.loop.call_later(WRITE_TIMEOUT_S, self._drop_stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+            super().connection_lost(exc)
+
+        def _drop_stalled(self) -> None:
+            logger.warning(
+                "HTTP: a client took none of its response for %g s: dropping its connection",
+                WRITE_TIMEOUT_S,
+            )
+            self.transport.abort()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{protocol.__name__}"
     return Guarded

@@ -394,6 +394,10 @@ class _Resumer:
                         # The scheduler never took the request: report why Submit failed.
                         if isinstance(cause, grpc.aio.AioRpcError):
                             raise scheduler_error(cause) from cause
+                        if isinstance(cause, StreamBroken):  # e.g. its pipeline was lost
+                            raise PipelineUnavailable(
+                                f"no scheduler took request {req.request_id} ({cause}): retry it"
+                            ) from exc
                         raise scheduler_error(exc) from exc
                     if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                         raise scheduler_error(exc) from exc

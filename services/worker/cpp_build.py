@@ -59,6 +59,12 @@ def build_extension(name: str, source: Path, arch_flags: list[str], what: str, h
     ConfigError naming `what` did not build and how to fix it (`hint` adds a way around)."""
     from torch.utils.cpp_extension import load
 
+    if not source.is_file():  # not a missing compiler: the package lacks its data files
+        raise ConfigError(
+            f"the {what} cannot build: its source {source} is missing, so this installation "
+            f"of Conveyor is incomplete (its package data, csrc/*.cpp, was not installed); "
+            f"reinstall it from a complete checkout or wheel{hint}"
+        )
     start = time.monotonic()
     directory = build_directory(name)
     try:

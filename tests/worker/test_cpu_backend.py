@@ -240,3 +240,13 @@ def test_the_kernel_builds_from_a_copy_in_its_build_directory(tmp_path):
     assert cpu_backend._source_in(tmp_path).stat().st_mtime_ns == mtime  # unchanged: no rebuild
     copy.write_text("// another version\n")
     assert cpu_backend._source_in(tmp_path).read_bytes() == cpu_backend.SOURCE.read_bytes()
+
+
+def test_a_missing_kernel_source_is_an_incomplete_install_not_a_missing_compiler(tmp_path):
+    """A package installed without its csrc/*.cpp (the compose image until 2026-12-06) said
+    "install a C++ compiler"; it names the missing file and says to reinstall."""
+    from services.common.errors import ConfigError
+
+    source = tmp_path / "csrc" / "gone.cpp"
+    with pytest.raises(ConfigError, match="gone.cpp is missing.*incomplete.*reinstall"):
+        cpp_build.build_extension("conveyor_probe_missing", source, [], "probe kernel")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.affinity import available_cpus, default_threads, stage_cpus
+from services.common.affinity import cpu_budget, stage_cpus
 from services.common.config import default_of
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
@@ -242,7 +242,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         tp_size = check_parallel(args)
         check_draft_model(args)
         num_ranks = args.stages * tp_size
-        threads = args.threads or default_threads(num_ranks * num_pipelines)
+        # every worker it starts shares this process's cores and quota
+        threads = args.threads or max(1, cpu_budget() // (num_ranks * num_pipelines))
         pinned = None
         if args.cpu_affinity == "auto":
             pinned = stage_cpus(num_ranks * num_pipelines, threads)
@@ -307,7 +308,7 @@ def check_parallel(args: argparse.Namespace) -> int:
 
         have, what = torch.cuda.device_count(), "GPUs"
     else:
-        have, what = len(available_cpus()), "cores"
+        have, what = cpu_budget(), "cores"  # its affinity, within its CPU quota
     if num_ranks > have and not (args.device == "cpu" and getattr(args, "oversubscribe", False)):
         raise ConfigError(
             f"--tensor-parallel-size={tp_size} x --pipeline-parallel-size={args.stages} = "
@@ -586,7 +587,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="intra-op threads per worker (default: cores / (stages x tp ranks))",
+        help="intra-op threads per worker (default: the cores this process may use, within its "
+        "CPU limit, / (stages x tp ranks x pipelines))",
     )
     parser.add_argument("--layer-split", default=None, help="layers per stage, e.g. 15,15")
     parser.add_argument(

@@ -62,9 +62,77 @@ def pin_process(cpus: list[int]) -> None:
     logger.info("pinned to cores %s", cpus)
 
 
-def default_threads(num_stages: int) -> int:
-    """Intra-op threads per stage worker when not given: the machine's cores shared evenly."""
-    return max(1, (os.cpu_count() or 1) // num_stages)
+def cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """The CPUs this process's cgroup quota allows (a container's CPU limit: cgroup v2
+    `cpu.max`, the smallest on the way to the root; v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), or None where there is none or no cgroup to read."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: "0::/path"
+            directory = root / path.lstrip("/")
+            while True:
+                limits.append(_v2_limit(directory / "cpu.max"))
+                if directory == root or root not in directory.parents:
+                    break
+                directory = directory.parent
+        elif "cpu" in controllers.split(","):  # v1: "N:cpu,cpuacct:/path"
+            for mount in (root / controllers, root / "cpu"):
+                limits.append(_v1_limit(mount / path.lstrip("/")))
+                limits.append(_v1_limit(mount))  # a container sees its own at the mount
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
+
+
+def _v2_limit(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_limit(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cpu_budget() -> int:
+    """Whole CPUs this process may use: the cores of its affinity (a container's cpuset), no
+    more than its CPU quota allows (a container's CPU limit, `cpu_quota()`)."""
+    return _budget(cpu_quota(), len(available_cpus()))
+
+
+def default_threads(num_ranks: int) -> int:
+    """Intra-op threads of a stage worker started alone (`conveyor worker`) when not given
+    (`worker_threads` on this process's CPU quota and cores)."""
+    return worker_threads(num_ranks, cpu_quota(), len(available_cpus()))
+
+
+def worker_threads(num_ranks: int, quota: float | None, cpus: int) -> int:
+    """Under a CPU quota the quota is the worker's own (a container per worker: compose with
+    `cpus:`, a Helm pod with a CPU limit): all of it, in whole CPUs, at most `cpus`; OpenMP
+    threads beyond it are throttled in turn, and every parallel loop waits for the last of
+    them. Without one, the workers of a pipeline share the host: its `cpus` over the
+    `num_ranks` workers (stages x tensor-parallel ranks). `conveyor up` divides its own
+    `cpu_budget()` among the workers it starts and passes `--threads`."""
+    if quota is not None:
+        return _budget(quota, cpus)
+    return max(1, cpus // num_ranks)
+
+
+def _budget(quota: float | None, cpus: int) -> int:
+    return max(1, min(cpus, int(quota)) if quota is not None else cpus)
 
 
 def stage_cpus(

@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: cores / stages, at least 1)",
+        help="torch intra-op threads (default: under a CPU limit, a container's cgroup quota, its "
+        "whole CPUs; else this process's cores / (stages x tp ranks); at least 1)",
     )
     parser.add_argument(
         "--linear-backend",

@@ -248,7 +248,8 @@ class WorkerConfig:
 
     @property
     def threads(self) -> int:
-        """torch intra-op threads: --threads, else this machine's cores / (stages x ranks)."""
+        """torch intra-op threads: --threads, else `default_threads` (a CPU quota, or the
+        cores over stages x ranks)."""
         return self.num_threads or default_threads(self.num_stages * self.tensor_parallel_size)
 
     @property

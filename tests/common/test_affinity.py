@@ -57,3 +57,69 @@ def test_pin_process_pins_existing_and_later_threads():
 def test_pin_process_refuses_cores_it_may_not_use():
     with pytest.raises(ConfigError, match="outside the cores"):
         pin_process([max(available_cpus()) + 1000])
+
+
+def _cgroup(tmp_path, own: str, files: dict[str, str]):
+    """A cgroup tree under tmp_path/fs and this process's /proc/self/cgroup as `own`."""
+    root = tmp_path / "fs"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "cgroup").write_text(own)
+    return root, tmp_path / "cgroup"
+
+
+@pytest.mark.parametrize(
+    "own, files, quota",
+    [
+        # v2, a container's own cgroup (cgroupns): its cpu.max at the mount
+        ("0::/\n", {"cpu.max": "250000 100000\n"}, 2.5),
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        # v2 without a namespace: the pod's limit above the container's own "max"
+        (
+            "0::/kubepods/pod1/ctr\n",
+            {"kubepods/pod1/cpu.max": "400000 100000", "kubepods/pod1/ctr/cpu.max": "max 100000"},
+            4.0,
+        ),
+        # v1: cpu,cpuacct controller, read at the mount (a container sees its own there)
+        (
+            "2:cpu,cpuacct:/\n1:memory:/x\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "150000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+            1.5,
+        ),
+        ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+        ("0::/\n", {}, None),  # no cpu controller files: no limit known
+    ],
+)
+def test_cpu_quota_reads_the_cgroup_limit(tmp_path, own, files, quota):
+    from services.common.affinity import cpu_quota
+
+    root, proc = _cgroup(tmp_path, own, files)
+    assert cpu_quota(root, proc) == quota
+
+
+def test_cpu_quota_is_none_without_a_cgroup_file(tmp_path):
+    from services.common.affinity import cpu_quota
+
+    assert cpu_quota(tmp_path, tmp_path / "missing") is None
+
+
+def test_worker_threads_take_a_quota_whole_and_share_the_cores_without_one():
+    from services.common.affinity import worker_threads
+
+    # a container with a CPU limit runs one worker: the limit is all its own, whole CPUs
+    assert worker_threads(2, 4.0, 64) == 4
+    assert worker_threads(2, 2.5, 64) == 2
+    assert worker_threads(1, 0.5, 64) == 1
+    assert worker_threads(1, 8.0, 4) == 4  # and no more than its cores
+    # no quota: the host's cores (this process's affinity) over the pipeline's workers
+    assert worker_threads(2, None, 8) == 4
+    assert worker_threads(3, None, 2) == 1
+
+
+def test_cpu_budget_is_the_affinity_within_the_quota():
+    from services.common.affinity import cpu_budget, cpu_quota
+
+    quota = cpu_quota()
+    cores = len(available_cpus())
+    assert cpu_budget() == (min(cores, max(1, int(quota))) if quota is not None else cores)

@@ -371,3 +371,23 @@ def test_block_size_is_the_same_for_scheduler_and_workers(tmp_path):
     )
     (scheduler,) = containers(one(docs, "Deployment", "scheduler"))
     assert flags(container_argv(scheduler))["--block-size"] == "32"
+
+
+@pytest.mark.parametrize(
+    "values, threads",
+    [
+        ([], "1"),  # the default request, cpu "1": a container sees all of its node's cores
+        (["--set", "worker.resources.requests.cpu=2500m"], "2"),
+        (["--set", "worker.resources.requests.cpu=500m"], "1"),
+        (["--set-string", "worker.resources.requests.cpu=3"], "3"),
+        (["--set", "worker.resources.requests.cpu=3"], "3"),
+        (["--set", "worker.resources.limits.cpu=4"], None),  # the worker reads its limit
+        (["--set", "worker.threads=6", "--set", "worker.resources.limits.cpu=4"], "6"),
+        (["-f", GPU_VALUES], None),
+    ],
+)
+def test_cpu_workers_get_threads_from_their_cpu_request(tmp_path, values, threads):
+    sts = one(render(*values), "StatefulSet", "worker")
+    (worker,) = containers(sts)
+    argv = flags(worker_argv(worker, f"{sts['metadata']['name']}-0", tmp_path))
+    assert argv.get("--threads") == threads

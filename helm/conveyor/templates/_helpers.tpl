@@ -334,3 +334,23 @@ livenessProbe:
 conveyor.dev/metrics: "true"
 {{- end }}
 {{- end }}
+
+{{/*
+A worker's --threads: worker.threads when set; else, on CPU without a CPU limit (a worker
+reads its limit itself), the CPU request in whole CPUs (at least 1), since a container sees
+every core of its node; else nothing (the worker's default).
+*/}}
+{{- define "conveyor.workerThreads" -}}
+{{- $resources := .Values.worker.resources | default dict }}
+{{- if .Values.worker.threads }}
+{{- .Values.worker.threads }}
+{{- else if and (eq .Values.pipeline.device "cpu") (not (dig "limits" "cpu" "" $resources)) }}
+{{- with (dig "requests" "cpu" "" $resources | toString) }}
+{{- if hasSuffix "m" . }}
+{{- max 1 (div (trimSuffix "m" . | atoi) 1000) }}
+{{- else }}
+{{- max 1 (. | float64 | floor | int) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -46,6 +46,27 @@ def source_copy(source: Path, directory: Path) -> Path:
     return copy
 
 
+@contextlib.contextmanager
+def _our_ninja():
+    """torch runs the `ninja` first on PATH; this puts the one the package depends on (pip's
+    `ninja`) first while it builds. Ninja versions keep their logs differently, so a build
+    left by another version is rebuilt in full: with a venv activated (its 1.13 first on
+    PATH) and not (the system's 1.11), every switch recompiled both kernels, ~70 s."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # not installed as a package: PATH decides
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def build_directory(name: str) -> Path:
     """Where `name` is built: per torch version, since the module links against torch."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
@@ -68,7 +89,7 @@ def build_extension(name: str, source: Path, arch_flags: list[str], what: str, h
     start = time.monotonic()
     directory = build_directory(name)
     try:
-        with build_lock(directory):
+        with build_lock(directory), _our_ninja():
             module = load(
                 name=name,
                 sources=[str(source_copy(source, directory))],

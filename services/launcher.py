@@ -231,16 +231,17 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     client = _client_security(args)
     reserve_ports(_named_ports(args))
     try:
+        # the arguments first: a refused one starts nothing, not even Redis
+        num_pipelines = getattr(args, "pipelines", 1)
+        if num_pipelines < 1:
+            raise ConfigError(f"--pipelines={num_pipelines} is out of range: must be >= 1")
+        tp_size = check_parallel(args)
+        check_draft_model(args)
         redis_url = args.redis_url
         if not redis_url:
             stack.redis = RedisServer().start()
             redis_url = stack.redis.url
-        num_pipelines = getattr(args, "pipelines", 1)
-        if num_pipelines < 1:
-            raise ConfigError(f"--pipelines={num_pipelines} is out of range: must be >= 1")
         env = dict(os.environ)
-        tp_size = check_parallel(args)
-        check_draft_model(args)
         num_ranks = args.stages * tp_size
         # every worker it starts shares this process's cores and quota
         threads = args.threads or max(1, cpu_budget() // (num_ranks * num_pipelines))

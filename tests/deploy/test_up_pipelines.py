@@ -53,6 +53,16 @@ def test_zero_pipelines_is_refused(monkeypatch):
         started(monkeypatch, "--pipelines", "0")
 
 
+def test_arguments_are_refused_before_redis_starts(monkeypatch):
+    """A refused `conveyor up` starts nothing: the private Redis came up before the check."""
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--pipelines", "0"])
+    monkeypatch.setattr(launcher, "RedisServer", lambda: pytest.fail("Redis was started"))
+    with pytest.raises(ConfigError, match="--pipelines=0"):
+        launcher.start_stack(args, launcher.Stack())
+
+
 @pytest.mark.parametrize(
     "failure",
     [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from services.common.errors import ConfigError
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a bad flag or value: say which, no traceback
         print(f"conveyor {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `conveyor stats --watch | head`: the reader is gone, so are we
+        # Python flushes stdout again at exit: point it at /dev/null so that raises nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`make demo`: fetch SmolLM2-135M, start a 2-stage stack, stream one answer, stop the stack.
 
-Run as `python -m services.demo [--model DIR] [--prompt TEXT]`; exits 0 when an answer was
+Run as `python -m services.demo [--model DIR] [--chat TEXT] [--max-tokens N]`; exits 0 when an answer was
 streamed and the stack stopped cleanly.
 """
 

@@ -84,11 +84,14 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(collect(deltas).to_dict(), ensure_ascii=False))
                 return 0
             last = None
-            for delta in deltas:
-                sys.stdout.write(delta.text)
+            try:
+                for delta in deltas:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                    last = delta
+            finally:  # the text streamed so far ends its line, before any error
+                sys.stdout.write("\n")
                 sys.stdout.flush()
-                last = delta
-            sys.stdout.write("\n")
             if last is not None and last.usage:
                 print(
                     f"[{last.finish_reason}; {last.usage['prompt_tokens']} prompt + "

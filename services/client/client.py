@@ -207,11 +207,7 @@ class ConveyorClient:
         return collect(self.generate(prompt, **kwargs))
 
     def tokenize(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
-        msg = generation_pb2.TokenizeRequest()
-        if chat is not None:
-            msg.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in chat)
-        else:
-            msg.text = text or ""
+        msg = _tokenize_request(text, chat)
         reply = self._stub.Tokenize(msg, timeout=self.timeout_s, metadata=self._metadata)
         return list(reply.token_ids)
 
@@ -220,6 +216,15 @@ class ConveyorClient:
             generation_pb2.ListModelsRequest(), timeout=self.timeout_s, metadata=self._metadata
         )
         return [{"name": m.name, "max_model_len": m.max_model_len} for m in reply.models]
+
+
+def _tokenize_request(text: str | None, chat: list[dict] | None) -> generation_pb2.TokenizeRequest:
+    msg = generation_pb2.TokenizeRequest()
+    if chat is not None:
+        msg.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in chat)
+    else:
+        msg.text = text or ""
+    return msg
 
 
 class AsyncConveyorClient:
@@ -285,6 +290,11 @@ class AsyncConveyorClient:
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Result:
         return collect([d async for d in self.generate(prompt, **kwargs)])
+
+    async def tokenize(self, text: str | None = None, chat: list[dict] | None = None) -> list[int]:
+        msg = _tokenize_request(text, chat)
+        reply = await self._stub.Tokenize(msg, timeout=self.timeout_s, metadata=self._metadata)
+        return list(reply.token_ids)
 
     async def list_models(self) -> list[dict[str, Any]]:
         reply = await self._stub.ListModels(

@@ -76,7 +76,7 @@ def test_sim_stack_streams_each_request_its_sim_tokens(sim_stack):
                     for p, s in zip(PROMPTS, seeds, strict=True)
                 )
             )
-            prompt_ids = [await asyncio.to_thread(_tokenize, router, p) for p in PROMPTS]
+            prompt_ids = [await client.tokenize(p) for p in PROMPTS]  # the async client
             return results, prompt_ids, seeds
 
     results, prompt_ids, seeds = asyncio.run(main())

@@ -230,8 +230,16 @@ import json, sys
 reply = json.load(sys.stdin)
 assert reply["usage"]["completion_tokens"] == 16 and reply["text"], reply
 '
+    # the workers serve on the image's C++ kernels, not on torch's slow paths (an image
+    # installed without a kernel's source only warned, and served)
+    local workers
+    workers=$(compose logs --no-color worker-0 worker-1 2>&1)
+    if echo "$workers" | grep -q "did not build"; then
+        echo "$workers" | grep "did not build"
+        die "a worker runs without its CPU kernels"
+    fi
     compose ps
-    log "ok: a request streamed through the compose stack"
+    log "ok: a request streamed through the compose stack, on the CPU kernels"
 }
 
 main "$@"

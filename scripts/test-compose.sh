@@ -27,8 +27,9 @@
 #     host's converted model (`conveyor models fetch smollm2-135m`) is copied into the
 #     `models` volume first, and model-fetch finds it there.
 #
-# Environment: KEEP=1 leaves the stack running; MODEL_FROM_HOST=1 as above; PY (default
-# .venv/bin/python) runs the compose binary and the client.
+# Environment: KEEP=1 leaves the stack running; MODEL_FROM_HOST=1 as above; TLS=1 adds
+# docker-compose.tls.yml (TLS on every port, the client trusts the CA copied out of the
+# router); PY (default .venv/bin/python) runs the compose binary and the client.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -144,9 +145,12 @@ build_image() {
         -f "$ROOT/Dockerfile" "$ROOT"
 }
 
+COMPOSE_FILES=(-f "$ROOT/docker-compose.yml")
+[ "${TLS:-0}" = 1 ] && COMPOSE_FILES+=(-f "$ROOT/docker-compose.tls.yml")
+
 compose() {
     "$(dirname "$("$PY" -c 'import compose; print(compose.__file__)')")/docker-compose" \
-        --project-directory "$ROOT" -f "$ROOT/docker-compose.yml" "$@"
+        --project-directory "$ROOT" "${COMPOSE_FILES[@]}" "$@"
 }
 
 # Podman without systemd runs no healthcheck by itself: run them, as the timer would.
@@ -220,10 +224,15 @@ main() {
     compose up --detach --wait --wait-timeout 900 --no-build --pull never
     compose logs --no-color --tail 20 model-fetch
 
+    local tls=()
+    if [ "${TLS:-0}" = 1 ]; then  # the development CA the certs service made
+        compose cp router:/certs/ca.crt "$WORK/ca.crt"
+        tls=(--tls-ca "$WORK/ca.crt")
+    fi
     log "streaming a request through the router"
     local reply
     reply=$(PYTHONPATH=$ROOT "$PY" -m services.cli generate --server "127.0.0.1:$CONVEYOR_ROUTER_PORT" \
-        --prompt "The capital of France is" --max-tokens 16 --ignore-eos --json)
+        "${tls[@]}" --prompt "The capital of France is" --max-tokens 16 --ignore-eos --json)
     echo "$reply"
     echo "$reply" | "$PY" -c '
 import json, sys

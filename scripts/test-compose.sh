@@ -29,7 +29,8 @@
 #
 # Environment: KEEP=1 leaves the stack running; MODEL_FROM_HOST=1 as above; TLS=1 adds
 # docker-compose.tls.yml (TLS on every port, the client trusts the CA copied out of the
-# router); PY (default .venv/bin/python) runs the compose binary and the client.
+# router); PIPELINES=1 adds the `pipelines` profile (a second pipeline, p1; a request is
+# streamed through each); PY (default .venv/bin/python) runs the compose binary and the client.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -147,6 +148,7 @@ build_image() {
 
 COMPOSE_FILES=(-f "$ROOT/docker-compose.yml")
 [ "${TLS:-0}" = 1 ] && COMPOSE_FILES+=(-f "$ROOT/docker-compose.tls.yml")
+[ "${PIPELINES:-0}" = 1 ] && COMPOSE_FILES+=(--profile pipelines)
 
 compose() {
     "$(dirname "$("$PY" -c 'import compose; print(compose.__file__)')")/docker-compose" \
@@ -239,6 +241,20 @@ import json, sys
 reply = json.load(sys.stdin)
 assert reply["usage"]["completion_tokens"] == 16 and reply["text"], reply
 '
+    if [ "${PIPELINES:-0}" = 1 ]; then
+        # the router learns of p1 from its announcement: distinct prompts until p1 plans some
+        local i steps=0
+        for i in $(seq 30); do
+            PYTHONPATH=$ROOT "$PY" -m services.cli generate --server "127.0.0.1:$CONVEYOR_ROUTER_PORT" \
+                "${tls[@]}" --prompt "Request $i: what is a pipeline?" --max-tokens 4 --json >/dev/null
+            steps=$(compose exec -T scheduler-p1 conveyor stats --server 127.0.0.1:50060 --json |
+                "$PY" -c 'import json, sys; print(json.load(sys.stdin)["num_steps"])')
+            [ "$steps" -gt 0 ] && break
+            sleep 1
+        done
+        [ "$steps" -gt 0 ] || die "pipeline p1 planned no step in 30 requests"
+        log "pipeline p1 serves too ($steps steps planned after $i requests)"
+    fi
     # the workers serve on the image's C++ kernels, not on torch's slow paths (an image
     # installed without a kernel's source only warned, and served)
     local workers

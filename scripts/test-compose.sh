@@ -30,7 +30,8 @@
 # Environment: KEEP=1 leaves the stack running; MODEL_FROM_HOST=1 as above; TLS=1 adds
 # docker-compose.tls.yml (TLS on every port, the client trusts the CA copied out of the
 # router); PIPELINES=1 adds the `pipelines` profile (a second pipeline, p1; a request is
-# streamed through each); PY (default .venv/bin/python) runs the compose binary and the client.
+# streamed through each); TP=1 adds docker-compose.tp.yml (one stage of two tensor-parallel
+# ranks); PY (default .venv/bin/python) runs the compose binary and the client.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -149,6 +150,7 @@ build_image() {
 COMPOSE_FILES=(-f "$ROOT/docker-compose.yml")
 [ "${TLS:-0}" = 1 ] && COMPOSE_FILES+=(-f "$ROOT/docker-compose.tls.yml")
 [ "${PIPELINES:-0}" = 1 ] && COMPOSE_FILES+=(--profile pipelines)
+[ "${TP:-0}" = 1 ] && COMPOSE_FILES+=(-f "$ROOT/docker-compose.tp.yml")
 
 compose() {
     "$(dirname "$("$PY" -c 'import compose; print(compose.__file__)')")/docker-compose" \

@@ -82,10 +82,47 @@ def test_decode_kernel_handles_head_dims_and_peaked_softmax(
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads", "block_size"),
+    [(64, 9, 3, 16), (64, 8, 2, 32), (80, 6, 2, 16)],  # the vector kernels, then plain loops
+)
+@pytest.mark.parametrize("key_scale", [1.0, 8.0])  # 8: most probabilities underflow
+def test_long_contexts_attend_in_partitions_that_match_the_reference(
+    head_dim, num_heads, num_kv_heads, block_size, key_scale
+):
+    """Contexts over cpu_ops' partition (512 tokens) are attended a partition at a time and
+    merged by the partitions' maxima: one partition and a bit, several, a partial last one."""
+    if not cpu_ops.available():
+        pytest.skip("model/cpu_ops.py does not build here")
+    seq_lens = [2048, 513, 512, 70, 1500]
+    args = paged_decode_case(
+        len(seq_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        seq_lens,
+        seed=11,
+        key_scale=key_scale,
+    )
+    scale = head_dim**-0.5
+    ref = torch_backend.decode_attention(*args, scale)
+    torch.testing.assert_close(cpu_ops.decode_attention(*args, scale), ref, atol=1e-5, rtol=1e-5)
+    q, k_cache, v_cache, tables, lens = args
+    bf16 = cpu_ops.decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, scale)
+    ref16 = torch_backend.decode_attention(
+        q, k_cache.bfloat16().float(), v_cache.bfloat16().float(), tables, lens, scale
+    )
+    torch.testing.assert_close(bf16, ref16, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
-@pytest.mark.parametrize("num_seqs", [1, 16])  # one sequence: its KV heads go to the threads
-def test_decode_kernel_uses_threads_without_changing_results(kernel, num_seqs):
-    seq_lens = [50 + 7 * i for i in range(num_seqs)]
+@pytest.mark.parametrize(
+    ("num_seqs", "base"),  # one sequence: its KV heads (or partitions) go to the threads
+    [(1, 50), (16, 50), (1, 1200), (3, 900)],
+)
+def test_decode_kernel_uses_threads_without_changing_results(kernel, num_seqs, base):
+    seq_lens = [base + 7 * i for i in range(num_seqs)]
     args = paged_decode_case(num_seqs, 8, 2, 64, 16, seq_lens, seed=5)
     threads = torch.get_num_threads()
     try:

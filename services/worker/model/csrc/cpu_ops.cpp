@@ -1128,18 +1128,23 @@ struct PagedContext {
   const int32_t* lens;
 };
 
-// Sequence `seq`'s KV heads [kv_begin, kv_end): query [(kv_end - kv_begin) * G, D] (their
-// query heads, in order) -> out of the same shape. k, v: the caches.
+// Sequence `seq`'s KV heads [kv_begin, kv_end) over its blocks [b_begin, b_end): query
+// [(kv_end - kv_begin) * G, D] (their query heads, in order) -> out of the same shape. k, v:
+// the caches. With `stats` null, all of the context's blocks and out the attention itself.
+// Else one partition of the context: out the partition's values weighted by exp(score - its
+// max score), not yet divided by their sum, and stats [heads, 2] that max and that sum
+// (`merge_partitions` combines the partitions).
 template <typename T>
 void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_end,
-            const float* query, const T* k, const T* v, float scale,
-            std::vector<float>& scores, float* out) {
-  const int64_t len = ctx.lens[seq], bs = ctx.block_size, D = ctx.head_dim, G = ctx.group;
-  const int64_t heads = (kv_end - kv_begin) * G, num_used = (len + bs - 1) / bs;
+            int64_t b_begin, int64_t b_end, const float* query, const T* k, const T* v,
+            float scale, std::vector<float>& scores, float* out, float* stats) {
+  const int64_t seq_len = ctx.lens[seq], bs = ctx.block_size, D = ctx.head_dim, G = ctx.group;
+  const int64_t heads = (kv_end - kv_begin) * G, num_used = (seq_len + bs - 1) / bs;
   TORCH_CHECK(num_used <= ctx.max_blocks, "decode_attention: seq_len beyond the block table");
   const int32_t* table = ctx.tables + seq * ctx.max_blocks;
-  for (int64_t b = 0; b < num_used; ++b)
+  for (int64_t b = b_begin; b < b_end; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < ctx.num_blocks, "decode_attention: bad block id");
+  const int64_t len = std::min(b_end * bs, seq_len) - b_begin * bs;  // the range's tokens
   const int64_t block_bytes = ctx.block_stride * static_cast<int64_t>(sizeof(T));
   auto block = [&](const T* cache, int64_t b) { return cache + table[b] * ctx.block_stride; };
   bool fast = false;
@@ -1154,14 +1159,15 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   // EPYC, 0.66-0.93x (with the values) on an AVX-512 one, and into L2 0.7-0.9x that again
   // (docs/performance.md, "Decode attention on AVX2", "... on AVX-512, rows at a time").
   const bool values_early = fast && kValuesEarly;
+  // (past the range's end too: a sequence's next partition is mostly the same thread's next)
   auto ahead = [&](const T* cache, int64_t b, int64_t kv) -> const T* {
     return fast && b + 1 < num_used ? block(cache, b + 1) + kv * D : nullptr;
   };
   scores.resize(heads * len);  // [heads, len]
-  prefetch_block(block(k, 0), block_bytes);
-  for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used && !fast) prefetch_block(block(k, b + 1), block_bytes);
-    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+  prefetch_block(block(k, b_begin), block_bytes);
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    if (b + 1 < b_end && !fast) prefetch_block(block(k, b + 1), block_bytes);
+    const int64_t t0 = (b - b_begin) * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(k, b) + kv * D;
       const float* q = query + (kv - kv_begin) * G * D;
@@ -1181,7 +1187,7 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
           sc[g * len + t] = scale * dot_widen(q + g * D, rows + t * ctx.token_stride, D);
     }
   }
-  if (!values_early) prefetch_block(block(v, 0), block_bytes);  // while the softmax runs
+  if (!values_early) prefetch_block(block(v, b_begin), block_bytes);  // while the softmax runs
   for (int64_t h = 0; h < heads; ++h) {
     float* sc = scores.data() + h * len;
     float max_score = sc[0];  // no infinities: the kernel is built with -ffast-math
@@ -1195,13 +1201,18 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
       sc[t] = xv < kMinExponent ? 0.f : std::exp(std::max(xv, kMinExponent));
       sum += sc[t];
     }
+    if (stats) {  // a partition: merged with the others' by their maxima
+      stats[2 * h] = max_score;
+      stats[2 * h + 1] = sum;
+      continue;
+    }
     const float inv_sum = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sc[t] *= inv_sum;
   }
   std::fill(out, out + heads * D, 0.f);
-  for (int64_t b = 0; b < num_used; ++b) {
-    if (b + 1 < num_used && !fast) prefetch_block(block(v, b + 1), block_bytes);
-    const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    if (b + 1 < b_end && !fast) prefetch_block(block(v, b + 1), block_bytes);
+    const int64_t t0 = (b - b_begin) * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(v, b) + kv * D;
       const float* probs = scores.data() + (kv - kv_begin) * G * len + t0;
@@ -1233,24 +1244,71 @@ void store_values(torch::Tensor& out, int64_t offset, const float* values, int64
   }
 }
 
+// Contexts longer than this many tokens are attended in partitions of it, side by side, and
+// merged: a lone long sequence spreads over the threads (its KV heads alone are too few, and
+// uneven over 2 threads). The partitions follow from the sequence's length alone, so its rows
+// are the same bits whatever the batch around it (sync and async give the same tokens).
+constexpr int64_t kPartitionTokens = 512;
+
+// out [heads, D] of `parts` partitions (acc [parts, heads, D] and stats [parts, heads, 2] as
+// `attend` leaves them): sum_p w_p acc_p / sum_p w_p sum_p, w_p = exp(max_p - the maximum).
+void merge_partitions(const float* acc, const float* stats, int64_t parts, int64_t heads,
+                      int64_t D, float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = stats[2 * h];
+    for (int64_t p = 1; p < parts; ++p) top = std::max(top, stats[(p * heads + h) * 2]);
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.f);
+    float total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* st = stats + (p * heads + h) * 2;
+      const float w = std::exp(st[0] - top);
+      total += w * st[1];
+      const float* a = acc + (p * heads + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_ptr,
                            const PagedContext& ctx, int64_t num_kv_heads, float scale,
                            torch::Tensor& out) {
   const bool bf16_q = q.scalar_type() == at::kBFloat16;
   const int64_t num_seqs = q.size(0), row_size = q.size(1) * q.size(2);
-  // a sequence per item, or a (sequence, KV head) when there are fewer sequences than
-  // threads; the results are the same bits either way
-  const int64_t heads_per_item = num_seqs < at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t bs = ctx.block_size, part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
+  // the partitions of every sequence, in order: part_seq[p] is partition p's sequence, and
+  // sequence s has partitions [first_part[s], first_part[s + 1])
+  std::vector<int64_t> first_part(num_seqs + 1, 0), part_seq;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t used = (std::max<int64_t>(ctx.lens[seq], 0) + bs - 1) / bs;
+    const int64_t parts = std::max<int64_t>(1, (used + part_blocks - 1) / part_blocks);
+    first_part[seq + 1] = first_part[seq] + parts;
+    part_seq.insert(part_seq.end(), parts, seq);
+  }
+  const int64_t num_parts = first_part[num_seqs];
+  // an item is a partition's KV heads: all of them, or one when there are fewer partitions
+  // than threads; the results are the same bits either way
+  const int64_t heads_per_item = num_parts < at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t items_per_part = num_kv_heads / heads_per_item;
   const int64_t slice = heads_per_item * ctx.group * ctx.head_dim;  // an item's [heads, D]
+  const int64_t num_heads = num_kv_heads * ctx.group, D = ctx.head_dim;
+  // the partitions' unnormalized values [num_parts, num_heads, D] and [max, sum] per head,
+  // where a sequence has more than one
+  const bool split = num_parts > num_seqs;
+  std::vector<float> part_acc(split ? num_parts * num_heads * D : 0);
+  std::vector<float> part_stats(split ? num_parts * num_heads * 2 : 0);
 
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_parts * items_per_part, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(slice), query_rows(slice);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t kv_begin = item % items_per_seq * heads_per_item;
-      const int64_t first = seq * row_size + kv_begin * ctx.group * ctx.head_dim;
+      const int64_t part = item / items_per_part, seq = part_seq[part];
+      const int64_t kv_begin = item % items_per_part * heads_per_item;
+      const int64_t head0 = kv_begin * ctx.group;  // the item's first query head
+      const int64_t first = seq * row_size + head0 * D;
       if (ctx.lens[seq] <= 0) {  // nothing to attend to (never planned, but no garbage)
         std::fill(acc.begin(), acc.end(), 0.f);
         store_values(out, first, acc.data(), slice);
@@ -1264,9 +1322,31 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
       } else {
         query = q.data_ptr<float>() + first;
       }
-      attend(ctx, seq, kv_begin, kv_begin + heads_per_item, query, k_ptr, v_ptr, scale,
-             scores, acc.data());
-      store_values(out, first, acc.data(), slice);
+      const int64_t parts = first_part[seq + 1] - first_part[seq];
+      const int64_t used = (ctx.lens[seq] + bs - 1) / bs;
+      if (parts == 1) {
+        attend(ctx, seq, kv_begin, kv_begin + heads_per_item, 0, used, query, k_ptr, v_ptr,
+               scale, scores, acc.data(), nullptr);
+        store_values(out, first, acc.data(), slice);
+        continue;
+      }
+      const int64_t b_begin = (part - first_part[seq]) * part_blocks;
+      const int64_t b_end = std::min(used, b_begin + part_blocks);
+      attend(ctx, seq, kv_begin, kv_begin + heads_per_item, b_begin, b_end, query, k_ptr, v_ptr,
+             scale, scores, part_acc.data() + (part * num_heads + head0) * D,
+             part_stats.data() + (part * num_heads + head0) * 2);
+    }
+  });
+  if (!split) return;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(num_heads * D);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t p0 = first_part[seq], parts = first_part[seq + 1] - p0;
+      if (parts == 1 || ctx.lens[seq] <= 0) continue;  // written above
+      merge_partitions(part_acc.data() + p0 * num_heads * D,
+                       part_stats.data() + p0 * num_heads * 2, parts, num_heads, D,
+                       merged.data());
+      store_values(out, seq * row_size, merged.data(), num_heads * D);
     }
   });
 }

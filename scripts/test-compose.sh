@@ -233,10 +233,13 @@ main() {
         compose cp router:/certs/ca.crt "$WORK/ca.crt"
         tls=(--tls-ca "$WORK/ca.crt")
     fi
+    generate() {  # conveyor generate ARGS... through the router, --json
+        PYTHONPATH=$ROOT "$PY" -m services.cli generate --server "127.0.0.1:$CONVEYOR_ROUTER_PORT" \
+            "${tls[@]}" --json "$@"
+    }
     log "streaming a request through the router"
     local reply
-    reply=$(PYTHONPATH=$ROOT "$PY" -m services.cli generate --server "127.0.0.1:$CONVEYOR_ROUTER_PORT" \
-        "${tls[@]}" --prompt "The capital of France is" --max-tokens 16 --ignore-eos --json)
+    reply=$(generate --prompt "The capital of France is" --max-tokens 16 --ignore-eos)
     echo "$reply"
     echo "$reply" | "$PY" -c '
 import json, sys
@@ -247,8 +250,7 @@ assert reply["usage"]["completion_tokens"] == 16 and reply["text"], reply
         # the router learns of p1 from its announcement: distinct prompts until p1 plans some
         local i steps=0
         for i in $(seq 30); do
-            PYTHONPATH=$ROOT "$PY" -m services.cli generate --server "127.0.0.1:$CONVEYOR_ROUTER_PORT" \
-                "${tls[@]}" --prompt "Request $i: what is a pipeline?" --max-tokens 4 --json >/dev/null
+            generate --prompt "Request $i: what is a pipeline?" --max-tokens 4 >/dev/null
             steps=$(compose exec -T scheduler-p1 conveyor stats --server 127.0.0.1:50060 --json |
                 "$PY" -c 'import json, sys; print(json.load(sys.stdin)["num_steps"])')
             [ "$steps" -gt 0 ] && break

@@ -83,7 +83,7 @@ def cpu_quota(
                     break
                 directory = directory.parent
         elif "cpu" in controllers.split(","):  # v1: "N:cpu,cpuacct:/path"
-            for mount in (root / controllers, root / "cpu"):
+            for mount in {root / controllers, root / "cpu"}:  # "cpu,cpuacct" or its link
                 limits.append(_v1_limit(mount / path.lstrip("/")))
                 limits.append(_v1_limit(mount))  # a container sees its own at the mount
     limits = [limit for limit in limits if limit is not None]

@@ -172,6 +172,8 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         cpu_ops.decode_attention(q, k_cache, v_cache, tables + 1000, lens, 0.25)
     with pytest.raises(RuntimeError, match="beyond the block table"):
         cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens * 10, 0.25)
+    with pytest.raises(RuntimeError, match="beyond the block table"):  # refused, not partitioned
+        cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens * 0 + 2**31 - 1, 0.25)
 
 
 def chunk_case(num_heads, num_kv_heads, head_dim, block_size, seq_lens, query_lens, seed=0):

@@ -1285,6 +1285,8 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
   std::vector<int64_t> first_part(num_seqs + 1, 0), part_seq;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t used = (std::max<int64_t>(ctx.lens[seq], 0) + bs - 1) / bs;
+    // before the partitions' buffers are sized by it
+    TORCH_CHECK(used <= ctx.max_blocks, "decode_attention: seq_len beyond the block table");
     const int64_t parts = std::max<int64_t>(1, (used + part_blocks - 1) / part_blocks);
     first_part[seq + 1] = first_part[seq] + parts;
     part_seq.insert(part_seq.end(), parts, seq);

@@ -119,6 +119,9 @@ class Request:
     """Planned steps that sample a token for this request whose result is not processed."""
     next_step_id: int = field(default=0, init=False)
     """Earliest global step this request may be planned in (pipeline rule)."""
+    run_seq: int = field(default=-1, init=False)
+    """When it last began running, in the scheduler's admission count: the order in which
+    running requests are planned (the planner's index of who is due, scheduler.py)."""
     num_tokens_on_workers: int | None = field(default=None, init=False)
     """Tokens the workers were sent (sync mode deltas); None while workers do not hold it."""
     num_preemptions: int = field(default=0, init=False)

@@ -34,8 +34,10 @@ else is served.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from dataclasses import dataclass
+from operator import itemgetter
 
 from services.common.errors import (
     ConfigError,
@@ -63,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 
 _WAITING = (RequestStatus.WAITING.value, RequestStatus.PREEMPTED.value)
+_RUN_SEQ = itemgetter(0)
 MAX_PROBE_BACKOFF = 3
 """A request whose speculation keeps failing probes every 16, 32, 64, then 128 tokens
 (`probe_interval` doubled each time, up to 2 ** this)."""
@@ -106,6 +109,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running."""
         self.running: dict[str, Request] = {}
+        # Who is due, so that a plan looks at the requests that may run in it rather than
+        # at every running one (at P = 8 a step takes 1 in 8): each running request is in
+        # `_ready` (it may run now; left out of an earlier plan) or in `_due_at[s]` (it may
+        # run from step s on), as (run_seq, request); an entry whose request has left
+        # `running` since (finished, preempted) is dropped when taken.
+        self._ready: list[tuple[int, Request]] = []
+        self._due_at: dict[int, list[tuple[int, Request]]] = {}
+        self._run_seqs = itertools.count()
+        self._prefilling: set[str] = set()
+        """Running requests with more than their last prompt token still to compute."""
         self.outputs = StepOutputs(store)
         self.outputs.live_requests = self.requests.values
         self.num_preemptions = 0
@@ -295,14 +308,14 @@ class Scheduler:
         num_preempted = self.num_preemptions
         only = self.isolated_id
         limits = self._decode_limits(step_id, num_in_flight)
+        due = self._take_due(step_id)
 
         # decode
-        for request in list(self.running.values()):
+        for _, request in due:
             if budget.num_seqs == 0:
                 break
             if (
                 (only is not None and request.request_id != only)
-                or request.next_step_id > step_id
                 or len(request.pending_step_ids) > self._max_pending(request, max_pending)
                 or request.status is not RequestStatus.RUNNING
             ):
@@ -339,6 +352,7 @@ class Scheduler:
             num_new = self._chunk(num_known - request.num_computed_tokens, budget.num_tokens)
             if num_new:
                 self._schedule_cached(plan, request, num_new, num_known, budget, scheduled)
+        self._ready = [entry for entry in due if entry[1].request_id not in scheduled]
         if self.num_preemptions == num_preempted and self.pause_mode is None:
             self._schedule_waiting(plan, budget, only)
         if only is not None and self._isolated_since is None and plan.num_requests:
@@ -347,6 +361,20 @@ class Scheduler:
         if is_empty and limits is not None and self.config.speculative is not None:
             self._next_step_id = step_id  # consecutive ids: see `_decode_limits`
         return plan
+
+    def _take_due(self, step_id: int) -> list[tuple[int, Request]]:
+        """The running requests the pipeline rule lets run at `step_id` (next_step_id <=
+        step_id), in the order they began running, as (run_seq, request)."""
+        due = self._ready
+        for at in [at for at in self._due_at if at <= step_id]:
+            due += self._due_at.pop(at)
+        due = [e for e in due if e[0] == e[1].run_seq and e[1].status is RequestStatus.RUNNING]
+        due.sort(key=_RUN_SEQ)  # a few sorted runs: linear
+        return due
+
+    def _num_decoding(self) -> int:
+        """Running requests past their prompt (at most its last token still to compute)."""
+        return len(self.running) - len(self._prefilling)
 
     # -- speculative decoding --------------------------------------------------------------
     def _speculates(self, request: Request) -> bool:
@@ -385,6 +413,8 @@ class Scheduler:
         if not self.config.is_async:
             return None
         num_stages = self.config.num_stages
+        if self.config.speculative is None:  # a hot path: only D is needed
+            return [0, -(-self._num_decoding() // num_stages)]
         decoding = [
             r
             for r in self.running.values()
@@ -392,8 +422,6 @@ class Scheduler:
             and r.num_computed_tokens >= r.num_prompt_tokens - 1
         ]
         total = -(-len(decoding) // num_stages)
-        if self.config.speculative is None:  # a hot path: only D is needed
-            return [0, total]
         num_ready = num_speculating = num_others_ready = 0
         in_flight: dict[int, int] = {}  # step id -> speculating decodes in it
         for request in decoding:
@@ -617,6 +645,7 @@ class Scheduler:
                 )
             )
             self.running[request.request_id] = request
+            request.run_seq = next(self._run_seqs)
             self._after_scheduled(plan.step_id, request, num_new, request.num_tokens, budget, set())
 
     def _waiting_suspect(self, request_id: str, plan: StepPlan) -> Request | None:
@@ -643,6 +672,11 @@ class Scheduler:
             request.next_step_id = step_id + self.config.num_stages
         else:
             request.next_step_id = step_id + 1
+        self._due_at.setdefault(request.next_step_id, []).append((request.run_seq, request))
+        if request.num_computed_tokens < request.num_prompt_tokens - 1:
+            self._prefilling.add(request.request_id)
+        else:
+            self._prefilling.discard(request.request_id)
         # Hash only when a block filled up (async decodes hash it one block later, once its
         # tokens are all known): no per-token work on the decode path.
         if num_new > 1 or request.num_computed_tokens % self.config.block_size == 0:
@@ -680,6 +714,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         del self.running[request.request_id]
+        self._prefilling.discard(request.request_id)
         self.policy.requeue(request)
 
     def recompute_running(self) -> int:
@@ -707,6 +742,8 @@ class Scheduler:
             request.next_step_id = 0  # no step of the lost session is in flight any more
             self.policy.requeue(request)
         self.running.clear()
+        self._ready, self._due_at = [], {}
+        self._prefilling.clear()
         self._finished_ids = []  # fresh workers hold nothing to drop
         self.block_manager.reset_prefix_cache()
         logger.info("re-queued every running request after a pipeline loss")
@@ -728,6 +765,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         self._forget_on_workers(request, self._finished_ids)
         self.running.pop(request.request_id, None)
+        self._prefilling.discard(request.request_id)
         del self.requests[request.request_id]
 
     # -- results ---------------------------------------------------------------------------

@@ -143,6 +143,54 @@ def test_schedule_random_workloads_keep_every_rule_and_produce_exact_outputs(wor
     assert scheduler.block_manager.num_free_blocks == config.num_blocks
 
 
+class _ScanningScheduler(Scheduler):
+    """The planner without its index of who is due: every plan looks at every running
+    request (what `schedule` did before the index; the reference it must match)."""
+
+    def _take_due(self, step_id):
+        return [(r.run_seq, r) for r in self.running.values() if r.next_step_id <= step_id]
+
+    def _num_decoding(self):
+        return sum(r.num_computed_tokens >= r.num_prompt_tokens - 1 for r in self.running.values())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=4))
+def test_schedule_index_of_due_requests_makes_the_plans_a_full_scan_makes(workload, aborts):
+    """Running requests are kept by the step they are due in, so that a plan looks at
+    those (1 in P) rather than at all: the plans must be those of a scan of all, through
+    preemptions and aborts, in both modes."""
+    config, requests, delay = workload
+    traces = []
+    for cls in (Scheduler, _ScanningScheduler):
+        scheduler = cls(config)
+        aborts_at = {step: f"q{i}" for step, i in aborts}
+
+        def abort(plan, scheduler=scheduler, aborts_at=aborts_at):
+            request_id = aborts_at.get(plan.step_id)
+            if request_id in scheduler.requests:
+                scheduler.abort_request(request_id)
+
+        for request in requests:
+            scheduler.add_request(
+                make_request(
+                    request.request_id,
+                    request.num_prompt_tokens,
+                    request.sampling.max_tokens,
+                    prompt=list(request.prompt_token_ids),
+                    priority=request.priority,
+                    tenant=request.tenant,
+                    arrival_time=request.arrival_time,
+                )
+            )
+        workers = FakeWorkers(config.is_async, config.block_size)
+        traces.append(drive(scheduler, workers, delay, on_step=abort))
+        assert not scheduler.has_unfinished
+    indexed, scanned = traces
+    assert indexed.plans == scanned.plans
+    assert indexed.outputs == scanned.outputs
+
+
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
 def test_schedule_preemption_under_a_tiny_pool_still_finishes_every_request(scheduling):
     config = make_config(

@@ -275,9 +275,12 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
   return out;
 }
 
+// Without the GIL, as torch's own ops run (model/csrc/cpu_ops.cpp says why).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a float32 KV cache (CPU)");
+        "Paged decode attention over a float32 KV cache (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_chunk_attention", &paged_chunk_attention,
-        "Paged attention of short chunks (causal) over a float32 KV cache (CPU)");
+        "Paged attention of short chunks (causal) over a float32 KV cache (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1409,21 +1409,29 @@ int64_t parallel_threads(int64_t n) {
   return std::count(ran.begin(), ran.end(), true);
 }
 
+// The step's kernels run without the GIL, as torch's own ops do: the worker's event loop
+// (plans in, reports out) runs beside them instead of making the compute thread wait at its
+// next Python line for the GIL (docs/performance.md, "The kernels without the GIL").
+// They touch no Python object; arguments and results are converted with the GIL held.
+const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads,
         "how many intra-op threads a parallel loop of n items ran on");
   m.def("decode_attention", &decode_attention,
         "Paged decode attention over float32 or bfloat16 KV caches (CPU), q and output float32 "
-        "or bfloat16");
-  m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)");
-  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]");
+        "or bfloat16",
+        kNoGil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, hidden] rows (HF's order of operations)", kNoGil);
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta))", kNoGil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2I] -> [T, I]", kNoGil);
   m.def("rope_write_kv", &rope_write_kv,
         "RoPE of q and k from a fused qkv [T, (Hq+2Hkv)*D]; k, v written to the paged cache "
-        "at slot_mapping; returns q [T, Hq, D]");
+        "at slot_mapping; returns q [T, Hq, D]",
+        kNoGil);
   m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
-        py::arg("bias") = py::none(), py::arg("packed") = py::none());
+        py::arg("bias") = py::none(), py::arg("packed") = py::none(), kNoGil);
   m.def("int8_pack_amx", &int8_pack_amx,
         "the AMX (VNNI-4) copy of int8 weights [N, K] for small_linear's packed; None "
         "without AMX-INT8");

@@ -618,6 +618,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a Chrome/Perfetto trace of the pipeline to FILE on stop",
     )
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="each worker exits when one step has computed longer than this, and is "
+        "restarted (conveyor worker --hang-timeout; 0: never) (default: the worker's, 600)",
+    )
+    parser.add_argument(
         "--record-plans",
         default=None,
         metavar="DIR",
@@ -808,6 +816,8 @@ def _spawn_pipeline(
             argv += ["--quantization-ignore", args.quantization_ignore]
         if pinned:
             argv += ["--cpu-affinity", ",".join(map(str, pinned[rank]))]
+        if getattr(args, "hang_timeout", None) is not None:
+            argv += ["--hang-timeout", str(args.hang_timeout)]
         if getattr(args, "record_plans", None):
             file = f"{name}-stage{stage}" if name else f"stage{stage}"
             if tp_size > 1:

@@ -158,6 +158,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cannot speak TLS) (default: off)",
     )
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=default("hang_timeout_s"),
+        metavar="SECONDS",
+        help="exit (code 70) when one step has computed longer than this, so that the "
+        "supervisor (conveyor up, compose, Kubernetes) starts a fresh worker: a wedged kernel "
+        "or collective never returns; 0: never (default: %(default)s)",
+    )
+    parser.add_argument(
         "--draft",
         action="store_true",
         help="serve the whole model as the draft worker of speculative decoding, which the "
@@ -246,6 +255,7 @@ def build_config(args: argparse.Namespace):
         sim_tensor_parallel_size=args.sim_tensor_parallel_size,
         is_draft=args.draft,
         record_plans=args.record_plans,
+        hang_timeout_s=args.hang_timeout,
     )
 
 

@@ -125,10 +125,13 @@ class WorkerConfig:
     """`--sim-tensor-parallel-size`, device sim: modeled TP ranks per stage (weights, FLOPs
     and KV split over them, plus an all-reduce per attention and MLP block)."""
     is_draft: bool = False
-    record_plans: str | None = None
-    """`--record-plans FILE`: write every plan this stage receives there (plan_record.py)."""
     """`--draft`: serve the whole model as the draft worker of speculative decoding (the
     DraftWorker service, docs/speculative-decoding.md), not a pipeline stage."""
+    record_plans: str | None = None
+    """`--record-plans FILE`: write every plan this stage receives there (plan_record.py)."""
+    hang_timeout_s: float = 600.0
+    """`--hang-timeout`: a step computing longer than this ends the process (exit code
+    `HUNG_EXIT`), so that its supervisor starts a fresh one; 0: never."""
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
@@ -192,6 +195,10 @@ class WorkerConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads={self.num_threads} must be >= 1")
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(
+                f"hang_timeout_s={self.hang_timeout_s} must be >= 0 (seconds; 0: never)"
+            )
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r} is not supported: use one of {DEVICES}")
         for name in ("port", "metrics_port", "health_port"):

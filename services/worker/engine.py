@@ -141,6 +141,9 @@ class StageEngine:
         self.timeline = Timeline()
         self._session: _Session | None = None
         self._runner_lock = threading.Lock()
+        self.computing_since: float | None = None
+        """`time.monotonic()` when the step computing now began; None between steps (the
+        worker's hang watchdog reads it, server.py)."""
 
     @property
     def stage(self) -> int:
@@ -280,7 +283,11 @@ class StageEngine:
             t_start = time.time_ns()
             tp = getattr(self.runner.model, "tp", None)
             comm_before = tp.comm_ns if tp is not None else 0
-            out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            self.computing_since = time.monotonic()
+            try:
+                out = self.runner.execute(plan, hidden_in=hidden_in, input_token_ids=input_tokens)
+            finally:
+                self.computing_since = None
             collective_ns = tp.comm_ns - comm_before if tp is not None else 0
             if self.transport.is_first and takes_tokens:
                 ids = self._sampling_request_ids(plan)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -282,6 +285,31 @@ def _parse_plan(msg: worker_pb2.StepPlan, is_joined: bool, last_step_id: int | N
         raise ValueError(f"is malformed: {exc}") from exc
 
 
+HUNG_EXIT = 70
+"""What a worker exits with when a step computed longer than --hang-timeout (EX_SOFTWARE)."""
+
+
+def watch_steps(engine: StageEngine, timeout_s: float) -> None:
+    """Ends the process once a step has computed for longer than `timeout_s` (runs on a
+    thread of its own, for good). A wedged kernel or collective never returns, and the
+    stage is useless until a fresh process takes it: its supervisor (`conveyor up`,
+    compose's restart policy, Kubernetes) starts one, and the scheduler, NOT_SERVING since
+    its --step-timeout, re-forms the pipeline with it."""
+    interval_s = min(1.0, timeout_s / 4)
+    while True:
+        time.sleep(interval_s)
+        since = engine.computing_since
+        if since is not None and time.monotonic() - since > timeout_s:
+            logger.critical(
+                "%s: a step has computed for more than %g s (--hang-timeout): exiting with "
+                "code %d so that a fresh worker takes the stage",
+                engine.name,
+                timeout_s,
+                HUNG_EXIT,
+            )
+            os._exit(HUNG_EXIT)
+
+
 def internal_server(name: str, service: str, config: WorkerConfig) -> GrpcServer:
     """The gRPC server of a worker (stage or draft) with the internal services' security;
     it takes 64 MiB messages: a plan, or a scheduler's first draft call, carries every new
@@ -346,7 +374,11 @@ async def serve(config: WorkerConfig) -> None:
         )
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
-    servicer.set_engine(StageEngine(runner, transport), list(eos), max_model_len)
+    engine = StageEngine(runner, transport)
+    servicer.set_engine(engine, list(eos), max_model_len)
+    if config.hang_timeout_s:
+        args = (engine, config.hang_timeout_s)
+        threading.Thread(target=watch_steps, args=args, name="hang-watchdog", daemon=True).start()
     await server.set_serving(True)
     layers = runner.model.stage.layer_ids
     logger.info(

@@ -33,6 +33,7 @@ from services.common.security import ClientSecurity
 from services.router.output import SchedulerDelta
 from services.router.request import PreparedRequest
 from services.router.routing import PipelineView, Router, RoutingPolicy
+from services.router.session import SchedulerAnswer
 from services.router.upstream import (
     SchedulerClient,
     StreamBroken,
@@ -213,7 +214,7 @@ class SchedulerPool:
             traceparent=dict(metadata or ()).get("traceparent", ""),
         )
         call = pipeline.client.open(submit)
-        target = _Target(req.request_id, req.principal, req.owner_token)
+        target = _Target(req.request_id, req.principal, req.owner_token, submit=submit)
         relay = self._relay(pipeline, call, None, _Resumer(self, target), 0, False, key)
         async with contextlib.aclosing(relay) as deltas:
             async for delta in deltas:
@@ -326,6 +327,9 @@ class _Target:
     """The submission's secret: only the router that submitted it knows it."""
     any_submission: bool = False
     """The public Resume: the principal's request of that id, whoever submitted it."""
+    submit: scheduler_pb2.SessionRequest | None = None
+    """The Submit that created it (None: the public Resume): sent again where no scheduler
+    took it."""
 
 
 class _Resumer:
@@ -355,13 +359,37 @@ class _Resumer:
         # A lost pipeline may be stopped, not dead: a resume there would wait for good.
         return [p for p in ([owner] if owner else []) + others + tail if not p.lost.is_set()]
 
+    async def _submit_again(
+        self, pipeline: Pipeline, cause: Exception | None
+    ) -> tuple[Pipeline, object, scheduler_pb2.TokenDelta] | None:
+        """The Submit sent again to `pipeline` (nothing of it was persisted, so nothing runs
+        twice); None when that pipeline is unavailable too. A refusal (e.g. the id is in
+        use: ALREADY_EXISTS) is the Submit's answer to the client."""
+        logger.warning(
+            "no scheduler took request %s (%s): submitting it again to pipeline %s",
+            self.target.request_id,
+            cause,
+            pipeline.pipeline_id or pipeline.view.key,
+        )
+        command = scheduler_pb2.SessionRequest()
+        command.CopyFrom(self.target.submit)  # its own stream id: the first may be unsent yet
+        call = pipeline.client.open(command)
+        try:
+            return pipeline, call, await call.read()
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise scheduler_error(exc) from exc
+            return None
+
     async def resume(
         self, offset: int, cause: Exception | None, has_output: bool
     ) -> tuple[Pipeline, object, scheduler_pb2.TokenDelta]:
         """(pipeline, stream, its first message) of a resume a scheduler accepted. Only the
         request this Submit created is resumed (its owner token): a Submit refused while
         another request with its id runs finds nothing (NOT_FOUND), never the other's
-        tokens."""
+        tokens. A Submit no scheduler took (none persisted it: the one it went to died or
+        stopped before reading it) is sent again, to the candidate that did not find it."""
         req = self.target
         now = time.monotonic()
         if self._stalled_since is None:
@@ -391,13 +419,12 @@ class _Resumer:
                 except grpc.aio.AioRpcError as exc:
                     call.cancel()
                     if exc.code() is grpc.StatusCode.NOT_FOUND and not has_output:
-                        # The scheduler never took the request: report why Submit failed.
-                        if isinstance(cause, grpc.aio.AioRpcError):
+                        if isinstance(cause, SchedulerAnswer):  # it refused the Submit
                             raise scheduler_error(cause) from cause
-                        if isinstance(cause, StreamBroken):  # e.g. its pipeline was lost
-                            raise PipelineUnavailable(
-                                f"no scheduler took request {req.request_id} ({cause}): retry it"
-                            ) from exc
-                        raise scheduler_error(exc) from exc
-                    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                        if req.submit is None:
+                            raise scheduler_error(exc) from exc
+                        submitted = await self._submit_again(pipeline, cause)
+                        if submitted is not None:
+                            return submitted
+                    elif exc.code() is not grpc.StatusCode.UNAVAILABLE:
                         raise scheduler_error(exc) from exc

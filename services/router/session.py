@@ -30,6 +30,11 @@ def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+class SchedulerAnswer(grpc.aio.AioRpcError):
+    """A status the scheduler ended a stream with: it read the command and answered, unlike
+    a session that broke (then the command may never have reached it)."""
+
+
 class SessionStream:
     """One submit's or resume's updates, read like the call it replaces."""
 
@@ -128,7 +133,8 @@ class SchedulerSession:
             return
         if update.status_code:
             code = _CODES.get(update.status_code, grpc.StatusCode.UNKNOWN)
-            item = _status(code, update.status_message)
+            meta = grpc.aio.Metadata()
+            item = SchedulerAnswer(code, meta, meta, update.status_message)
         elif update.ended:
             item = grpc.aio.EOF
         else:

@@ -112,6 +112,17 @@ def test_router_resumes_a_broken_stream_without_gap_or_duplicate(fake, client):
     assert fake.resumes and fake.resumes[0][0] == "resume-1"
 
 
+def test_router_submits_again_a_request_no_scheduler_took(fake, client):
+    """The session breaks as the Submit arrives (a scheduler that dies or stops before
+    reading it): nothing was persisted, the resume finds nothing, and the router submits it
+    again instead of failing it (a Submit the scheduler refuses stays refused: above)."""
+    fake.reset(mode="lose-submit")
+    result = client.complete("x", max_tokens=5, request_id="lost-1")
+    assert result.token_ids == fake.answer_ids[:5]
+    assert [s.request_id for s in fake.submits] == ["lost-1"]  # the second reached Submit
+    assert fake.resumes == [("lost-1", 0)]
+
+
 def test_router_rejects_invalid_fields_and_keeps_serving(fake, client):
     with pytest.raises(grpc.RpcError) as info:
         client.complete("x", top_p=1.5)

@@ -32,8 +32,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     """Streams `answer_ids` (capped at max_tokens), `ids_per_delta` at a time.
 
     mode: "ok" | "endless" (tokens until aborted) | "break" (UNAVAILABLE after
-    `break_after` tokens, once per request; Resume continues) | a grpc.StatusCode to
-    answer Submit with (message `error_message`).
+    `break_after` tokens, once per request; Resume continues) | "lose-submit" (the session
+    breaks as a request's first Submit arrives, which it never takes) | a grpc.StatusCode
+    to answer Submit with (message `error_message`).
     """
 
     answer_ids: list[int]
@@ -48,6 +49,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     resumes: list[tuple[str, int]] = field(default_factory=list)
     _known: dict[str, scheduler_pb2.SubmitRequest] = field(default_factory=dict)
     _broken: set[str] = field(default_factory=set)
+    _lost: set[str] = field(default_factory=set)
 
     def reset(self, **kwargs) -> None:
         self.mode, self.ids_per_delta, self.delay_s, self.weight_version = "ok", 1, 0.0, 0
@@ -154,6 +156,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     await self.Abort(command.abort, stream_context)
                 elif which == "cancel":
                     streams.pop(stream_id).cancel()
+                elif (
+                    which == "submit"
+                    and self.mode == "lose-submit"
+                    and command.submit.request_id not in self._lost
+                ):
+                    self._lost.add(command.submit.request_id)
+                    updates.put_nowait(None)  # the session breaks, the Submit never taken
+                    return
                 else:
                     rpc = self.Submit if which == "submit" else self.Resume
                     deltas = rpc(getattr(command, which), stream_context)
@@ -163,6 +173,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while True:
                 batch = [await updates.get()]
+                if batch[0] is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler died")
                 while not updates.empty():
                     batch.append(updates.get_nowait())
                 yield scheduler_pb2.SessionResponse(updates=batch)

@@ -95,11 +95,14 @@ def test_duplicate_id_during_a_scheduler_restart_reads_nothing_of_the_running_re
         max_tokens=4,
     )
     # The router keeps retrying Resume until the scheduler is back; the restarted scheduler
-    # knows the running request (and its owner token) from Redis only.
+    # knows the running request (and its owner token) from Redis only. The second Submit
+    # never reached a scheduler (none took it), so the router submits it again, and the
+    # restarted scheduler refuses it as it would have: the id is in use.
     pipeline.start_scheduler()
     attacker.join()
     assert attacker.token_ids == [], "the second client received the running request's tokens"
-    assert attacker.error is not None and attacker.error.code() is grpc.StatusCode.UNAVAILABLE
+    assert attacker.error is not None
+    assert attacker.error.code() is grpc.StatusCode.ALREADY_EXISTS, attacker.error.details()
     _assert_untouched(victim)
 
 

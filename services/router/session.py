@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
 class SchedulerAnswer(grpc.aio.AioRpcError):
     """A status the scheduler ended a stream with: it read the command and answered, unlike
     a session that broke (then the command may never have reached it)."""
+
+
+def _status(code: grpc.StatusCode, details: str, cls=grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    return cls(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class SessionStream:
@@ -133,8 +133,7 @@ class SchedulerSession:
             return
         if update.status_code:
             code = _CODES.get(update.status_code, grpc.StatusCode.UNKNOWN)
-            meta = grpc.aio.Metadata()
-            item = SchedulerAnswer(code, meta, meta, update.status_message)
+            item = _status(code, update.status_message, SchedulerAnswer)
         elif update.ended:
             item = grpc.aio.EOF
         else:

@@ -53,7 +53,13 @@ def clip(value: object, limit: int = 60) -> str:
     """repr(value), cut to about `limit` characters: error messages quote what the client
     sent, and a client may send megabytes."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, bytes):
+        return f"{text[:limit]}... ({len(value)} bytes)"
+    # the value's own length: repr's quotes and escapes are not what the client sent
+    size = len(value) if isinstance(value, str) else len(text)
+    return f"{text[:limit]}... ({size} characters)"
 
 
 def lone_surrogate_at(value: object, path: str = "") -> str | None:

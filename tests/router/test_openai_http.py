@@ -297,6 +297,42 @@ def test_http_malformed_requests_get_openai_errors(fake, http_router):
     assert not fake.submits
 
 
+def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    """(status, JSON body) of a POST of `body` with exactly these headers."""
+    request = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_http_bodies_a_client_gets_wrong_are_named(fake, http_router):
+    """The usual mistakes get a message that says what to fix, not pydantic's or FastAPI's
+    generic one; a value of the wrong JSON type is refused, never coerced."""
+    url, auth = f"{http_router.http}/v1/completions", {"authorization": f"Bearer {KEY}"}
+    sent = json.dumps({"prompt": "x", "max_tokens": 3}).encode()
+    for headers in ({}, {"content-type": "application/x-www-form-urlencoded"}):  # curl -d
+        status, body = post(url, sent, auth | headers)
+        assert status == 415 and "Content-Type: application/json" in body["error"]["message"]
+    json_type = auth | {"content-type": "application/json"}
+    status, body = post(url, b'{"prompt": "\xff x"}', json_type)
+    assert status == 400 and "not valid UTF-8 (byte 12)" in body["error"]["message"], body
+    status, body = post(url, b"[" * 20_000 + b"]" * 20_000, json_type)
+    assert status == 400 and "nests too deeply" in body["error"]["message"], body
+    for field, value in (("max_tokens", True), ("max_tokens", "5"), ("stream", "false")):
+        status, body = post(url, json.dumps({"prompt": "x", field: value}).encode(), json_type)
+        assert status == 400 and body["error"]["param"] == field, body
+    status, body = post(
+        url, json.dumps({"prompt": "x", "temperature": 0}).encode(), json_type
+    )  # an integer is a number
+    assert status == 200, body
+    assert get(f"{http_router.http}/openapi.json")[0] == 401  # the schema needs a key too
+    status, schema = get(f"{http_router.http}/openapi.json", KEY)
+    assert status == 200 and "/v1/completions" in schema["paths"]
+    assert len(fake.submits) == 1
+
+
 def post_chunked(base_url: str, body: bytes) -> int:
     """The status of a POST /v1/completions whose body has no Content-Length (chunked)."""
     host, port = base_url.removeprefix("http://").rsplit(":", 1)

@@ -76,6 +76,11 @@ def test_clip_quotes_a_few_dozen_characters():
     assert len(clip("x" * 1_000_000)) < 100
 
 
+def test_clip_counts_what_the_client_sent_not_its_quoted_form():
+    assert clip("é\n" * 100).endswith("(200 characters)")
+    assert clip(b"\xff" * 100).endswith("(100 bytes)")
+
+
 def _resolved(**limits) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=512, **limits

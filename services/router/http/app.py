@@ -69,7 +69,9 @@ def create_app(
 ) -> FastAPI:
     """The app; requests count in core.metrics when metrics are on; with `max_requests`,
     one more request in flight is refused (503, Retry-After)."""
-    app = FastAPI(title="Conveyor", version=SERVER_VERSION, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Conveyor", version=SERVER_VERSION, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ConveyorError, on_conveyor_error)
     app.add_exception_handler(ClientGone, on_client_gone)
@@ -111,6 +113,11 @@ def create_app(
         return schemas.TokenizeResponse(
             tokens=ids, count=len(ids), max_model_len=core.limits.max_model_len
         )
+
+    @app.get("/openapi.json", dependencies=[Depends(principal)], include_in_schema=False)
+    async def openapi() -> dict:
+        """The API's schema, for a caller who may use the API (FastAPI's own is open)."""
+        return app.openapi()
 
     @app.get("/health")
     async def health() -> Response:

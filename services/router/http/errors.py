@@ -3,6 +3,7 @@ services/common/serving.py's gRPC mapping: the messages are the same)."""
 
 from __future__ import annotations
 
+import email.message
 import logging
 import re
 
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.common import errors
+from services.common.limits import clip
 from services.router.http.schemas import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -93,12 +95,38 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "the request body is not valid", param
 
 
-async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    message, param = validation_message(exc)
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON, as FastAPI decides whether to parse a body."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+def _invalid(message: str, status: int, param: str | None = None) -> JSONResponse:
     body = ErrorResponse(
         error=ErrorInfo(message=message, type="invalid_request_error", param=param)
     )
-    return JSONResponse(body.model_dump(), status_code=400)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """400 naming the bad fields; 415 for a body not sent as JSON (`curl -d` without a
+    Content-Type header sends a form), which FastAPI leaves unparsed."""
+    content_type = request.headers.get("content-type")
+    if exc.body is not None and not is_json(content_type):
+        given = f"Content-Type {clip(content_type)}" if content_type else "no Content-Type"
+        return _invalid(
+            f"the request body must be JSON, sent with 'Content-Type: application/json' "
+            f"(this request had {given})",
+            415,
+        )
+    message, param = validation_message(exc)
+    return _invalid(message, 400, param)
 
 
 async def on_client_gone(request: Request, exc: Exception) -> Response:
@@ -114,7 +142,15 @@ async def on_conveyor_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown path, wrong method, unreadable body) in OpenAI's shape."""
+    """Starlette's own errors (unknown path, wrong method, unreadable body) in OpenAI's shape;
+    FastAPI's "error parsing the body" says what was wrong with it where it can."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    body = ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=kind))
+    message, cause = str(exc.detail), exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        message = (
+            f"the request body is not valid UTF-8 (byte {cause.start}): send JSON encoded in UTF-8"
+        )
+    elif isinstance(cause, RecursionError):
+        message = "the request body's JSON nests too deeply to parse"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind))
     return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)

@@ -18,7 +18,11 @@ from services.common.limits import lone_surrogate_at
 
 class _Unicode(BaseModel):
     """A request body whose every string is valid Unicode (a 400 naming the field, not a
-    500 from the tokenizer: JSON's `\\ud800` escapes decode to lone surrogates)."""
+    500 from the tokenizer: JSON's `\\ud800` escapes decode to lone surrogates), and whose
+    every value has its field's JSON type: `"max_tokens": true` or `"5"` is refused, not
+    read as 1 or 5 (`strict`; an integer still fits a float field)."""
+
+    model_config = ConfigDict(strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -35,7 +39,7 @@ class _Unicode(BaseModel):
 
 
 class _Request(_Unicode):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def unsupported_fields(self) -> list[str]:
         """Fields this server does not know, sent with a value other than null."""
@@ -43,7 +47,7 @@ class _Request(_Unicode):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     """A last chunk with `choices: []` and the usage of the whole request."""
@@ -87,6 +91,8 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
@@ -94,7 +100,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of `messages`: text content, or text parts (other parts are refused)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextPart] | None = None
@@ -219,7 +225,7 @@ class ChatCompletionChunk(BaseModel):
 class TokenizeRequest(_Unicode):
     """POST /tokenize (vLLM's): a text's token ids, as the served model's tokenizer gives."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str
     model: str | None = None

@@ -13,7 +13,13 @@ from services.common.proto.inference import grpc_service_pb2 as pb
 from services.common.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from services.common.serving import message_for
 from services.router.core import RouterCore
-from services.router.kserve_tensors import KServeRequest, request_from_pb, text_response
+from services.router.kserve_tensors import (
+    INPUT_DATATYPES,
+    REQUIRED_INPUTS,
+    KServeRequest,
+    request_from_pb,
+    text_response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +29,7 @@ SERVER_VERSION = "0.1.0"
 _FINAL = "triton_final_response"
 _WANTS_EMPTY_FINAL = "triton_enable_empty_final_response"
 _DONE = object()  # a stream producer finished
+_CONFIG_TYPES = {"BYTES": pb.DataType.TYPE_STRING, "BOOL": pb.DataType.TYPE_BOOL}
 
 
 def _tensor(name: str, datatype: str) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -61,12 +68,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             name=self.core.limits.name,
             versions=["1"],
             platform="conveyor",
-            inputs=[
-                _tensor("text_input", "BYTES"),
-                _tensor("stream", "BOOL"),
-                _tensor("sampling_parameters", "BYTES"),
-                _tensor("exclude_input_in_output", "BOOL"),
-            ],
+            inputs=[_tensor(name, datatype) for name, datatype in INPUT_DATATYPES.items()],
             outputs=[_tensor("text_output", "BYTES")],
         )
 
@@ -74,14 +76,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Triton's configuration of a decoupled LLM model (the tensors of ModelMetadata):
         perf_analyzer and genai-perf read it before they stream."""
         self._check_model(request.name)
-        string, boolean = pb.DataType.TYPE_STRING, pb.DataType.TYPE_BOOL
         inputs = [
-            pb.ModelInput(name="text_input", data_type=string, dims=[1]),
-            pb.ModelInput(name="stream", data_type=boolean, dims=[1], optional=True),
-            pb.ModelInput(name="sampling_parameters", data_type=string, dims=[1], optional=True),
             pb.ModelInput(
-                name="exclude_input_in_output", data_type=boolean, dims=[1], optional=True
-            ),
+                name=name,
+                data_type=_CONFIG_TYPES[datatype],
+                dims=[1],
+                optional=name not in REQUIRED_INPUTS,
+            )
+            for name, datatype in INPUT_DATATYPES.items()
         ]
         config = pb.ModelConfig(
             name=self.core.limits.name,
@@ -89,7 +91,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             backend="conveyor",
             max_batch_size=0,  # one prompt per request: the scheduler batches
             input=inputs,
-            output=[pb.ModelOutput(name="text_output", data_type=string, dims=[1])],
+            output=[pb.ModelOutput(name="text_output", data_type=_CONFIG_TYPES["BYTES"], dims=[1])],
             model_transaction_policy=pb.ModelTransactionPolicy(decoupled=True),
         )
         return pb.ModelConfigResponse(config=config)

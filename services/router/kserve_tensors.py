@@ -6,6 +6,11 @@ BOOL; sampling keys may also come as tensors of their own (`max_tokens` INT32, .
 Output: `text_output` BYTES. BYTES elements in raw contents are each prefixed by their
 4-byte little-endian length. The JSON of `sampling_parameters` is bounded in size and in
 nesting depth before it is parsed (the parser recurses once per level).
+
+As Triton does, each input is checked against what ModelMetadata advertises before its
+value is read: a known name, given once, of the advertised datatype and shape [1]. A value
+is never coerced across types (a BYTES "false" is not a BOOL), so that no input can be
+misread silently.
 """
 
 from __future__ import annotations
@@ -46,7 +51,20 @@ _FLOAT_KEYS = (
 _INT_KEYS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs")
 _BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output")
 SAMPLING_KEYS = (*_FLOAT_KEYS, *_INT_KEYS, *_BOOL_KEYS, "stop", "stop_token_ids", "n")
-INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output")
+INPUT_DATATYPES = {  # what ModelMetadata and ModelConfig advertise, each of shape [1]
+    "text_input": "BYTES",
+    "stream": "BOOL",
+    "sampling_parameters": "BYTES",
+    "exclude_input_in_output": "BOOL",
+}
+INPUT_NAMES = tuple(INPUT_DATATYPES)
+REQUIRED_INPUTS = ("text_input",)
+_NUMBER_TYPES = tuple(datatype for datatype in _FIXED if datatype != "BOOL")
+KEY_DATATYPES = {  # sampling keys as tensors of their own (TensorRT-LLM's habit)
+    **{key: _NUMBER_TYPES for key in (*_FLOAT_KEYS, *_INT_KEYS, "n")},
+    **{key: ("BOOL",) for key in _BOOL_KEYS},
+    "stop": ("BYTES",),
+}
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 
@@ -79,15 +97,36 @@ def encode_bytes(items: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(item)) + item for item in items)
 
 
+def _check_tensor(tensor, has_raw: bool) -> None:
+    """Raises InvalidRequest unless the tensor is one the model takes: a known name, of its
+    datatype, holding one element, its data in one place."""
+    name = tensor.name
+    allowed = (INPUT_DATATYPES[name],) if name in INPUT_DATATYPES else KEY_DATATYPES.get(name)
+    if allowed is None:
+        raise InvalidRequest(
+            f"input {clip(name)} is not supported: inputs are {', '.join(INPUT_NAMES)} "
+            f"(and sampling keys as tensors: {', '.join(KEY_DATATYPES)})"
+        )
+    if tensor.datatype not in allowed:
+        expected = allowed[0] if len(allowed) == 1 else f"one of {', '.join(allowed)}"
+        raise InvalidRequest(
+            f"input {clip(name)} has datatype {clip(tensor.datatype)}: expected {expected}"
+        )
+    if any(dim != 1 for dim in tensor.shape):
+        raise InvalidRequest(
+            f"input {clip(name)} has shape {clip(list(tensor.shape))}: expected [1] "
+            "(one element; batching is not supported)"
+        )
+    if has_raw and tensor.contents.ByteSize():
+        raise InvalidRequest(
+            f"input {clip(name)} has both contents and raw_input_contents: give its data once"
+        )
+
+
 def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
     datatype = tensor.datatype
     if datatype == "BYTES":
         return decode_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
-    if datatype not in _FIXED:
-        raise InvalidRequest(
-            f"input {clip(tensor.name)} has datatype {clip(datatype)}: allowed are "
-            f"BYTES, {', '.join(_FIXED)}"
-        )
     code, field_name = _FIXED[datatype]
     if raw is None:
         return list(getattr(tensor.contents, field_name))
@@ -97,11 +136,16 @@ def _tensor_values(tensor, raw: bytes | None) -> list[Any]:
             f"input {clip(tensor.name)}: {len(raw)} raw bytes is not a whole "
             f"number of {datatype} elements"
         )
+    if datatype == "BOOL" and raw and max(raw) > 1:  # struct would read 2 as true
+        raise InvalidRequest(
+            f"input {clip(tensor.name)} holds a BOOL byte other than 0 (false) or 1 (true)"
+        )
     return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
 
 
 def decode_inputs(msg: pb.ModelInferRequest) -> dict[str, Any]:
-    """name -> the single element of each input tensor."""
+    """name -> the single element of each input tensor, of the type its datatype says
+    (bytes, bool, int or float); raises InvalidRequest."""
     raws = list(msg.raw_input_contents)
     if raws and len(raws) != len(msg.inputs):
         raise InvalidRequest(
@@ -110,6 +154,9 @@ def decode_inputs(msg: pb.ModelInferRequest) -> dict[str, Any]:
         )
     values: dict[str, Any] = {}
     for index, tensor in enumerate(msg.inputs):
+        if tensor.name in values:
+            raise InvalidRequest(f"input {clip(tensor.name)} is given twice: give it once")
+        _check_tensor(tensor, has_raw=bool(raws))
         elements = _tensor_values(tensor, raws[index] if raws else None)
         if len(elements) != 1:
             raise InvalidRequest(
@@ -163,16 +210,27 @@ def _parse_json(value: Any, limits: ModelLimits) -> dict[str, Any]:
     return options
 
 
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise TypeError("expected an integer")  # int() would make 1 of true, 3 of 3.5
+    return int(value)
+
+
 def _convert(key: str, value: Any) -> Any:
+    """One sampling option as SamplingParams takes it. Numbers may come as strings ("0.7",
+    as Triton's vLLM backend reads them); booleans only as true or false. Ranges are
+    SamplingParams' to check, as for every API."""
     try:
         if key in _FLOAT_KEYS:
+            if isinstance(value, bool):
+                raise TypeError("expected a number")  # float() would make 1.0 of true
             return float(value)
         if key in _INT_KEYS or key == "n":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError("expected an integer")  # int() would make 1 of true, 3 of 3.5
-            return int(value)
+            return _to_int(value)
         if key in _BOOL_KEYS:
-            return value if isinstance(value, bool) else str(value).lower() in ("true", "1")
+            if not isinstance(value, bool):
+                raise TypeError("expected true or false")
+            return value
         if key == "stop":
             if isinstance(value, str):
                 return [value]
@@ -181,7 +239,7 @@ def _convert(key: str, value: Any) -> Any:
             raise TypeError("expected a string or a list of strings")
         if not isinstance(value, list):  # stop_token_ids
             raise TypeError("expected a list of integers")
-        return [int(v) for v in value]
+        return [_to_int(v) for v in value]
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequest(
             f"sampling_parameters.{key}={clip(value)} has the wrong type or value: {exc}"
@@ -210,12 +268,6 @@ def sampling_options(values: dict[str, Any], limits: ModelLimits) -> dict[str, A
 def request_from_pb(msg: pb.ModelInferRequest, limits: ModelLimits) -> KServeRequest:
     """Decodes a ModelInferRequest of the LLM convention; raises InvalidRequest."""
     values = decode_inputs(msg)
-    unknown = [name for name in values if name not in INPUT_NAMES and name not in SAMPLING_KEYS]
-    if unknown:
-        raise InvalidRequest(
-            f"input {clip(unknown[0])} is not supported: inputs are "
-            f"{', '.join(INPUT_NAMES)} (and sampling keys)"
-        )
     if "text_input" not in values:
         raise InvalidRequest("input 'text_input' (BYTES) is missing: it holds the prompt")
     options = sampling_options(values, limits)
@@ -231,8 +283,8 @@ def request_from_pb(msg: pb.ModelInferRequest, limits: ModelLimits) -> KServeReq
             stop=stop,
             include_stop_str_in_output=include_stop,
         ),
-        is_stream=bool(values.get("stream", False)),
-        exclude_input_in_output=None if exclude is None else bool(exclude),
+        is_stream=values.get("stream", False),
+        exclude_input_in_output=exclude,
     )
 
 

@@ -181,3 +181,19 @@ def test_kserve_stream_infer_streams_deltas_per_request(fake, triton_client, tin
     for pieces in texts.values():
         assert "".join(pieces) == ANSWER and len(pieces) > 5
     assert "top_p=7.0" in errors[0].message()
+
+
+def test_kserve_model_infer_refuses_an_input_it_would_misread(fake, triton_client, tiny_model_dir):
+    name = tiny_model_dir.name
+    result = triton_client.infer(name, _inputs("Q: ", {"max_tokens": 200}, exclude=False))
+    assert result.as_numpy("text_output")[0].decode() == "Q: " + ANSWER
+    as_string = triton.InferInput("exclude_input_in_output", [1], "BYTES")
+    as_string.set_data_from_numpy(np.array([b"false"], dtype=object))  # was read as true
+    with pytest.raises(InferenceServerException) as info:
+        triton_client.infer(name, _inputs("Q: ", {"max_tokens": 200}) + [as_string])
+    assert "StatusCode.INVALID_ARGUMENT" in str(info.value.status())
+    assert "'exclude_input_in_output' has datatype 'BYTES': expected BOOL" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:  # was read as false
+        triton_client.infer(name, _inputs("Q: ", {"max_tokens": 200, "ignore_eos": "yes"}))
+    assert "StatusCode.INVALID_ARGUMENT" in str(info.value.status())
+    assert "sampling_parameters.ignore_eos='yes' has the wrong type" in info.value.message()

@@ -144,3 +144,111 @@ def test_kserve_request_rejects_bad_tensors(tensors, expected):
     with pytest.raises(InvalidRequest) as info:
         request_from_pb(_kserve(**tensors), LIMITS)
     assert expected in str(info.value)
+
+
+def _request(**tensors):
+    """A request for the prompt "hi" with these other tensors."""
+    return _kserve(text_input=_bytes("hi"), **tensors)
+
+
+@pytest.mark.parametrize(
+    "msg, expected",
+    [
+        (  # bool(b"false") is True: the prompt was dropped from the output
+            _request(exclude_input_in_output=_bytes("false")),
+            "input 'exclude_input_in_output' has datatype 'BYTES': expected BOOL",
+        ),
+        (
+            _request(exclude_input_in_output=_bytes("0")),
+            "input 'exclude_input_in_output' has datatype 'BYTES': expected BOOL",
+        ),
+        (  # streaming was turned on
+            _request(stream=_bytes("false")),
+            "input 'stream' has datatype 'BYTES': expected BOOL",
+        ),
+        (_request(stream=("BOOL", b"\x02")), "input 'stream' holds a BOOL byte other than 0"),
+        (  # read as the prompt "5"
+            _kserve(text_input=("INT32", b"\x05\x00\x00\x00")),
+            "input 'text_input' has datatype 'INT32': expected BYTES",
+        ),
+        (
+            _request(ignore_eos=_bytes("true")),
+            "input 'ignore_eos' has datatype 'BYTES': expected BOOL",
+        ),
+        (
+            _request(max_tokens=("BOOL", b"\x01")),
+            "input 'max_tokens' has datatype 'BOOL': expected one of INT8",
+        ),
+        (_request(stop_token_ids=("INT32", b"\x05\x00\x00\x00")), "'stop_token_ids' is not"),
+    ],
+)
+def test_kserve_request_refuses_a_datatype_other_than_advertised(msg, expected):
+    with pytest.raises(InvalidRequest) as info:
+        request_from_pb(msg, LIMITS)
+    assert expected in str(info.value)
+
+
+def test_kserve_request_refuses_an_input_given_twice():
+    msg = _request()
+    msg.inputs.add(name="text_input", datatype="BYTES", shape=[1])  # the last one won
+    msg.raw_input_contents.append(encode_bytes([b"other prompt"]))
+    with pytest.raises(InvalidRequest, match="input 'text_input' is given twice"):
+        request_from_pb(msg, LIMITS)
+    msg = _request(stream=("BOOL", b"\x01"))
+    msg.inputs.add(name="stream", datatype="BOOL", shape=[1])
+    msg.raw_input_contents.append(b"\x00")
+    with pytest.raises(InvalidRequest, match="input 'stream' is given twice"):
+        request_from_pb(msg, LIMITS)
+
+
+def test_kserve_request_refuses_a_shape_or_data_it_would_misread():
+    msg = _request()
+    msg.inputs[0].shape[:] = [2]
+    with pytest.raises(InvalidRequest, match=r"input 'text_input' has shape \[2\]: expected"):
+        request_from_pb(msg, LIMITS)
+    msg = _request()
+    msg.inputs[0].contents.bytes_contents.append(b"another prompt")
+    with pytest.raises(InvalidRequest, match="both contents and raw_input_contents"):
+        request_from_pb(msg, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({"ignore_eos": "yes"}, "sampling_parameters.ignore_eos='yes' has the wrong type"),
+        ({"ignore_eos": 2}, "sampling_parameters.ignore_eos=2 has the wrong type"),
+        ({"ignore_eos": "true"}, "ignore_eos='true' has the wrong type or value: expected true"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output=1 has the wrong type"),
+        ({"temperature": True}, "sampling_parameters.temperature=True has the wrong type"),
+        ({"stop_token_ids": [True]}, "sampling_parameters.stop_token_ids=[True] has the wrong"),
+        ({"stop_token_ids": [2.5]}, "sampling_parameters.stop_token_ids=[2.5] has the wrong"),
+        ({"top_k": "-5"}, "top_k=-5 is out of range"),  # the shared SamplingParams ranges
+    ],
+)
+def test_kserve_request_refuses_sampling_values_of_the_wrong_type(params, expected):
+    msg = _request(sampling_parameters=_bytes(json.dumps(params)))
+    with pytest.raises(InvalidRequest) as info:
+        request_from_pb(msg, LIMITS)
+    assert expected in str(info.value)
+
+
+def test_kserve_request_reads_booleans_as_their_datatype_says():
+    raw = request_from_pb(
+        _request(stream=("BOOL", b"\x00"), exclude_input_in_output=("BOOL", b"\x00")), LIMITS
+    )
+    assert raw.is_stream is False and raw.exclude_input_in_output is False
+    msg = kserve_pb2.ModelInferRequest(model_name="tiny-chat")  # typed contents, no raw bytes
+    for name, datatype, field, value in (
+        ("text_input", "BYTES", "bytes_contents", b"hi"),
+        ("stream", "BOOL", "bool_contents", True),
+        ("exclude_input_in_output", "BOOL", "bool_contents", False),
+        ("ignore_eos", "BOOL", "bool_contents", True),
+        ("max_tokens", "INT32", "int_contents", 7),
+        ("temperature", "FP32", "fp32_contents", 0.5),
+    ):
+        tensor = msg.inputs.add(name=name, datatype=datatype, shape=[1])
+        getattr(tensor.contents, field).append(value)
+    typed = request_from_pb(msg, LIMITS)
+    assert typed.is_stream is True and typed.exclude_input_in_output is False
+    sampling = typed.generate.sampling
+    assert (sampling.ignore_eos, sampling.max_tokens, sampling.temperature) == (True, 7, 0.5)

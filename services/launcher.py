@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.affinity import cpu_budget, stage_cpus
-from services.common.config import default_of
+from services.common.config import MAX_PORT, at_least, checked, default_of, port_number
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port, reserve_ports
@@ -233,8 +233,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     try:
         # the arguments first: a refused one starts nothing, not even Redis
         num_pipelines = getattr(args, "pipelines", 1)
-        if num_pipelines < 1:
-            raise ConfigError(f"--pipelines={num_pipelines} is out of range: must be >= 1")
+        check_model(args)
+        check_ports(args)
         tp_size = check_parallel(args)
         check_draft_model(args)
         redis_url = args.redis_url
@@ -282,6 +282,36 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
     except BaseException:
         stack.stop()
         raise
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """--model must load as a model directory before any child starts: a worker that cannot
+    load it dies, and would be restarted --max-restarts times before the stack gives up."""
+    from services.models.fetch import KNOWN_MODELS
+    from services.worker.model.config import ModelConfig
+
+    try:
+        ModelConfig.from_dir(args.model)
+    except ModelLoadError as exc:
+        hint = ""
+        if args.model in KNOWN_MODELS:
+            hint = f" (`conveyor models fetch {args.model}` downloads it and prints its directory)"
+        raise ConfigError(f"--model {args.model}: {exc}{hint}") from None
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Every port the command line names belongs to one server: a port named twice is
+    refused before anything starts, naming both flags (the child that loses the race would
+    only report the port taken)."""
+    owners: dict[int, str] = {}
+    for flag, ports in _ports_by_flag(args).items():
+        name = flag if len(ports) == 1 else f"{flag} (ports {ports[0]}-{ports[-1]})"
+        if ports[-1] > MAX_PORT:
+            raise ConfigError(f"{name} goes past the last port, {MAX_PORT}")
+        for port in ports:
+            if port in owners:
+                raise ConfigError(f"port {port} is named twice, by {owners[port]} and {name}")
+            owners[port] = name
 
 
 def check_parallel(args: argparse.Namespace) -> int:
@@ -402,17 +432,25 @@ def _device_args(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _ports_by_flag(args: argparse.Namespace) -> dict[str, list[int]]:
+    """The ports the command line names, by flag: whole ranges of them where one flag gives
+    several (--scheduler-port per pipeline, --metrics-port per child)."""
+    num_pipelines = getattr(args, "pipelines", 1)
+    num_ranks = args.stages * getattr(args, "tensor_parallel_size", 1)
+    ports = {"--port": [args.port]}
+    if _serves_http(args):
+        ports["--http-port"] = [args.http_port]
+    if args.scheduler_port is not None:
+        ports["--scheduler-port"] = [args.scheduler_port + i for i in range(num_pipelines)]
+    if args.metrics_port is not None:
+        num_children = 2 + num_pipelines * (1 + num_ranks)
+        ports["--metrics-port"] = [args.metrics_port + i for i in range(num_children)]
+    return ports
+
+
 def _named_ports(args: argparse.Namespace) -> list[int]:
-    """The ports the command line names, whole ranges of them where one flag gives several
-    (--scheduler-port per pipeline, --metrics-port per child), for `reserve_ports`."""
-    num_pipelines = getattr(args, "pipelines", 1) or 1
-    num_ranks = args.stages * (getattr(args, "tensor_parallel_size", 1) or 1)
-    ports = [getattr(args, "port", None), getattr(args, "http_port", None)]
-    if getattr(args, "scheduler_port", None):
-        ports += [args.scheduler_port + i for i in range(num_pipelines)]
-    if getattr(args, "metrics_port", None) is not None:
-        ports += [args.metrics_port + i for i in range(2 + num_pipelines * (1 + num_ranks))]
-    return [p for p in ports if isinstance(p, int) and p > 0]
+    """The ports the command line names, for `reserve_ports`."""
+    return [port for ports in _ports_by_flag(args).values() for port in ports]
 
 
 def _observability_args(args: argparse.Namespace, offset: int) -> list[str]:
@@ -496,13 +534,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stages",
         "--pipeline-parallel-size",
         dest="stages",
-        type=int,
+        type=at_least(1),
         default=2,
         help="pipeline stages, one worker process per tensor-parallel rank each (default: 2)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=at_least(1),
         default=1,
         help="tensor-parallel ranks per stage, one worker process each; stages x ranks must "
         "not exceed the cores (CPU) or GPUs (CUDA) (default: 1)",
@@ -515,13 +553,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pipelines",
-        type=int,
+        type=at_least(1),
         default=1,
         help="pipelines (a scheduler and its stage workers each) behind the router, sharing "
         "one Redis: requests are routed by cached prefix and load, and a lost pipeline's "
         "requests are adopted by another (docs/scale-out.md) (default: 1)",
     )
-    parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
+    parser.add_argument(
+        "--port", type=port_number, default=50051, help="public gRPC port (default: 50051)"
+    )
     parser.add_argument(
         "--host",
         default=INTERNAL_HOST,
@@ -555,7 +595,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-model-len",
-        type=int,
+        type=at_least(1),
         default=None,
         help="the stack's context length: the router refuses longer requests and advertises "
         "it, the workers size their KV cache for it (a small --kv-cache-memory needs a small "
@@ -586,7 +626,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sim_arguments(parser)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="intra-op threads per worker (default: the cores this process may use, within its "
         "CPU limit, / (stages x tp ranks x pipelines))",
@@ -608,7 +648,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduler-port",
-        type=int,
+        type=port_number,
         default=None,
         help="scheduler gRPC port (default: a free port)",
     )
@@ -619,7 +659,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hang-timeout",
-        type=float,
+        type=checked(float, lambda s: s >= 0, ">= 0"),
         default=None,
         metavar="SECONDS",
         help="each worker exits when one step has computed longer than this, and is "
@@ -635,10 +675,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
+        metavar="N",
         help="Prometheus metrics: the router on N, the scheduler on N+1, "
-        "worker i on N+2+i, i = stage x ranks + tp rank (default: off)",
+        "worker i on N+2+i, i = stage x ranks + tp rank; unauthenticated, and on every "
+        "interface (0.0.0.0) whatever --host says (default: off)",
     )
     parser.add_argument(
         "--otlp-endpoint",
@@ -654,13 +696,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--startup-timeout",
-        type=float,
+        type=checked(float, lambda s: s > 0, "> 0"),
         default=300.0,
         help="seconds to wait for every service to be SERVING (default: 300)",
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=at_least(0),
         default=5,
         help="restarts of one dead child (worker, scheduler, router, private Redis) allowed "
         f"within {RESTART_WINDOW_S:.0f} s before the stack stops; 0 stops it at the first "
@@ -675,7 +717,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=port_number,
         default=DEFAULT_HTTP_PORT,
         help="the router's OpenAI-compatible HTTP API on this port, bound like --port "
         f"(default: {DEFAULT_HTTP_PORT})",

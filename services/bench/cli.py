@@ -15,6 +15,7 @@ import logging
 import os
 from pathlib import Path
 
+from services.common.config import at_least, checked
 from services.common.security import (
     ENV_API_KEY,
     ClientSecurity,
@@ -24,6 +25,8 @@ from services.common.security import (
 )
 
 logger = logging.getLogger(__name__)
+
+positive_float = checked(float, lambda x: x > 0, "> 0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,43 +58,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random token prompts, prompts sharing prefixes, or prompts asking to repeat "
         "a text (outputs copy the prompt: speculative decoding) (default: random)",
     )
-    parser.add_argument("--num-prompts", type=int, default=None, help="requests (default: 64)")
+    # None: the workload's default (--compare --device sim: each workload's own)
+    parser.add_argument(
+        "--num-prompts", type=at_least(1), default=None, help="requests (default: 64)"
+    )
     parser.add_argument(
         "--input-len",
-        type=int,
+        type=at_least(1),
         default=None,
         help="prompt tokens (prefix dataset: after the prefix) (default: 128)",
     )
     parser.add_argument(
-        "--output-len", type=int, default=None, help="output tokens per request (default: 128)"
+        "--output-len",
+        type=at_least(1),
+        default=None,
+        help="output tokens per request (default: 128)",
     )
     parser.add_argument(
         "--range-ratio",
-        type=float,
+        type=checked(float, lambda r: 0 <= r < 1, "in [0, 1)"),
         default=0.0,
-        help="lengths vary uniformly within ±ratio of --input-len/--output-len",
+        help="lengths vary uniformly within ±ratio of --input-len/--output-len, "
+        "a ratio in [0, 1) (default: 0)",
     )
     parser.add_argument(
         "--prefix-len",
-        type=int,
+        type=at_least(1),
         default=64,
         help="prefix dataset: shared prefix tokens (default: 64)",
     )
     parser.add_argument(
         "--num-prefixes",
-        type=int,
+        type=at_least(1),
         default=1,
         help="prefix dataset: distinct prefixes, used in turn (default: 1)",
     )
     parser.add_argument(
         "--request-rate",
-        type=float,
+        type=positive_float,
         default=float("inf"),
         help="requests per second, Poisson arrivals; inf sends all at once (default: inf)",
     )
     parser.add_argument(
         "--max-concurrency",
-        type=int,
+        type=at_least(1),
         default=None,
         help="at most this many requests in flight (default: no limit)",
     )
@@ -109,7 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="generate exactly --output-len tokens (default: on)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload and arrivals seed")
+    parser.add_argument(
+        "--seed", type=at_least(0), default=0, help="workload and arrivals seed (default: 0)"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
@@ -118,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=None,
         help="per-request deadline in seconds (default: none)",
     )
@@ -156,14 +168,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     compare.add_argument(
         "--max-model-len",
-        type=int,
+        type=at_least(1),
         default=None,
         help="--compare-routing: the stacks' context length, to fit a small "
         "--kv-cache-memory (default: the model's)",
     )
     compare.add_argument(
         "--threads-per-worker",
-        type=int,
+        type=at_least(1),
         default=1,
         help="--compare-routing: threads of each pipeline's worker (default: 1)",
     )
@@ -194,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     compare.add_argument(
         "--rounds",
-        type=int,
+        type=at_least(1),
         default=1,
         help="--peers: run every system this many times, alternating; medians. --device sim "
         "--sweep: run each point's sync and async this many times, alternating; the median "
@@ -258,11 +270,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace):
     from services.bench.run import Workload
 
+    sizes = {
+        name: getattr(args, name)
+        for name in ("num_prompts", "input_len", "output_len")
+        if getattr(args, name) is not None  # not given: the Workload's default
+    }
     return Workload(
         dataset=args.dataset,
-        num_prompts=args.num_prompts or 64,
-        input_len=args.input_len or 128,
-        output_len=args.output_len or 128,
+        **sizes,
         range_ratio=args.range_ratio,
         prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes,
@@ -271,8 +286,6 @@ def _workload(args: argparse.Namespace):
 
 
 def _check_peer_flags(args: argparse.Namespace) -> None:
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
     with_peers = args.compare and args.peers and not args.speculative_config
     with_spec = args.compare and args.speculative_config
     with_rounds = args.compare and args.device == "sim" and (args.calibration or args.sweep)

@@ -7,7 +7,12 @@ import json
 import os
 import sys
 
+from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingParams
 from services.common.security import ENV_API_KEY, add_tls_arguments
+
+SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+"""The request keywords the router validates as SamplingParams."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +69,24 @@ def _request_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def check_sampling(kwargs: dict) -> None:
+    """Raises InvalidRequest, with the router's own message, for sampling flags out of the
+    range the router accepts: some (--seed -1, --max-tokens 5000000000) do not even fit the
+    request's fields, others (--max-tokens 0) would arrive as "unset" and mean the default."""
+    SamplingParams(**{k: v for k, v in kwargs.items() if k in SAMPLING_KWARGS and v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
     from services.client.client import ConveyorClient, collect
 
+    kwargs = _request_kwargs(args)
+    try:
+        check_sampling(kwargs)
+    except InvalidRequest as exc:  # as the router would answer it (docs/api.md)
+        print(f"error: INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        return 2
     try:
         client = ConveyorClient(
             args.server,
@@ -79,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             tls_key=args.tls_key,
         )
         with client:
-            deltas = client.generate(**_request_kwargs(args))
+            deltas = client.generate(**kwargs)
             if args.json:
                 print(json.dumps(collect(deltas).to_dict(), ensure_ascii=False))
                 return 0

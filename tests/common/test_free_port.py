@@ -63,6 +63,9 @@ def test_a_port_the_command_line_names_is_never_handed_out(monkeypatch):
         stages=2,
         tensor_parallel_size=1,
         metrics_port=None,
+        no_http=False,
+        tls_client_ca=None,
+        api_key_file=None,
     )
     assert _named_ports(args) == [41000, 41001, 41010, 41011]
     reserve_ports(_named_ports(args))

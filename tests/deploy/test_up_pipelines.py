@@ -9,13 +9,21 @@ import pytest
 
 from services import launcher
 from services.common.errors import ConfigError
+from services.models.tiny import make_tiny_model
 from tests.deploy.utils import flags
 
 
-def started(monkeypatch, *argv: str) -> list[tuple[str, list[str]]]:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("up-pipelines") / "m", num_layers=1)
+
+
+def started(monkeypatch, model_dir, *argv: str) -> list[tuple[str, list[str]]]:
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    args = parser.parse_args(["--model", "/m", "--redis-url", "redis://127.0.0.1:1/0", *argv])
+    args = parser.parse_args(
+        ["--model", str(model_dir), "--redis-url", "redis://127.0.0.1:1/0", *argv]
+    )
     spawned = []
     monkeypatch.setattr(launcher, "wait_serving", lambda *a, **k: None)
     monkeypatch.setattr(
@@ -25,8 +33,10 @@ def started(monkeypatch, *argv: str) -> list[tuple[str, list[str]]]:
     return spawned
 
 
-def test_two_pipelines_get_their_own_scheduler_workers_and_rendezvous(monkeypatch):
-    spawned = started(monkeypatch, "--pipelines", "2", "--stages", "2", "--cpu-affinity", "off")
+def test_two_pipelines_get_their_own_scheduler_workers_and_rendezvous(monkeypatch, model_dir):
+    spawned = started(
+        monkeypatch, model_dir, "--pipelines", "2", "--stages", "2", "--cpu-affinity", "off"
+    )
     schedulers = [flags(cmd) for name, cmd in spawned if cmd[0] == "scheduler"]
     workers = [flags(cmd) for name, cmd in spawned if cmd[0] == "worker"]
     (router,) = [flags(cmd) for name, cmd in spawned if cmd[0] == "router"]
@@ -40,26 +50,21 @@ def test_two_pipelines_get_their_own_scheduler_workers_and_rendezvous(monkeypatc
     assert router["--redis-url"] == "redis://127.0.0.1:1/0"
 
 
-def test_one_pipeline_starts_as_before(monkeypatch):
-    spawned = started(monkeypatch, "--stages", "1")
+def test_one_pipeline_starts_as_before(monkeypatch, model_dir):
+    spawned = started(monkeypatch, model_dir, "--stages", "1")
     (scheduler,) = [flags(cmd) for _, cmd in spawned if cmd[0] == "scheduler"]
     (router,) = [flags(cmd) for _, cmd in spawned if cmd[0] == "router"]
     assert "--pipeline-id" not in scheduler and "--scheduler" in router
     assert [name for name, _ in spawned] == ["worker 0", "scheduler", "router"]
 
 
-def test_zero_pipelines_is_refused(monkeypatch):
-    with pytest.raises(ConfigError, match="--pipelines=0"):
-        started(monkeypatch, "--pipelines", "0")
-
-
 def test_arguments_are_refused_before_redis_starts(monkeypatch):
     """A refused `conveyor up` starts nothing: the private Redis came up before the check."""
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    args = parser.parse_args(["--model", "/m", "--pipelines", "0"])
+    args = parser.parse_args(["--model", "/m"])
     monkeypatch.setattr(launcher, "RedisServer", lambda: pytest.fail("Redis was started"))
-    with pytest.raises(ConfigError, match="--pipelines=0"):
+    with pytest.raises(ConfigError, match="--model /m: .*config.json"):
         launcher.start_stack(args, launcher.Stack())
 
 

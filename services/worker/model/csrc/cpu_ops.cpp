@@ -1008,14 +1008,16 @@ void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float
 
 template <int G, typename T>
 void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float* out,
-                int64_t len, const T* next) {
-  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next as in scores_d64
+                int64_t len, const T* next, const T* upcoming) {
+  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next as in scores_d64;
+  // upcoming: rows of the thread's next item asked for into L2 (attend's `next_item`)
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(out + g * 64 + c * 16);
   for (int64_t t = 0; t < n; ++t) {
     const T* value = v + t * stride;
     if (next) prefetch_row(next + t * stride);
+    if (upcoming) prefetch_row<2>(upcoming + t * stride);
     const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
                  v3 = load16(value + 48);
     for (int g = 0; g < G; ++g) {
@@ -1086,8 +1088,9 @@ void scores_d64(const float* query, const T* k, int64_t n, int64_t stride, float
 
 template <int G, typename T>
 void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float* out,
-                int64_t len, const T* next) {
-  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next as in scores_d64
+                int64_t len, const T* next, const T* upcoming) {
+  // out [G, 64] += sum over t < n of probs[g * len + t] v_t; next, upcoming as in the
+  // AVX-512 kernel
   constexpr int C = 4;  // vectors of a row per pass: G x C accumulators in registers
   for (int d0 = 0; d0 < 64; d0 += C * 8) {
     __m256 acc[G][C];
@@ -1096,6 +1099,7 @@ void values_d64(const float* probs, const T* v, int64_t n, int64_t stride, float
     for (int64_t t = 0; t < n; ++t) {
       const T* value = v + t * stride + d0;
       if (next && d0 == 0) prefetch_row(next + t * stride);
+      if (upcoming && d0 == 0) prefetch_row<2>(upcoming + t * stride);
       __m256 vr[C];
       for (int c = 0; c < C; ++c) vr[c] = load8(value + c * 8);
       for (int g = 0; g < G; ++g) {
@@ -1121,6 +1125,12 @@ void with_group(int64_t group, F&& f) {  // f(std::integral_constant<int, G>), G
 }
 #endif
 
+// The item a thread attends after this one (`attend`'s `next_item`): its first blocks.
+struct NextItem {
+  const int32_t* blocks = nullptr;  // its block ids, from its first block on
+  int64_t num_blocks = 0, kv_begin = 0;
+};
+
 // The cache's shape and the step's tables, as the kernel reads them.
 struct PagedContext {
   int64_t num_blocks, block_size, head_dim, group, token_stride, block_stride, max_blocks;
@@ -1133,11 +1143,15 @@ struct PagedContext {
 // the caches. With `stats` null, all of the context's blocks and out the attention itself.
 // Else one partition of the context: out the partition's values weighted by exp(score - its
 // max score), not yet divided by their sum, and stats [heads, 2] that max and that sum
-// (`merge_partitions` combines the partitions).
+// (`merge_partitions` combines the partitions). While the values pass reads this item's
+// value rows (from L2 on AVX-512, where the scores pass asked for them), it asks for the key
+// rows of `next_item`, the thread's next: memory went idle there, between two items' reads
+// (0.78-0.92x the attention's time, docs/performance.md "The next item's keys").
 template <typename T>
 void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_end,
             int64_t b_begin, int64_t b_end, const float* query, const T* k, const T* v,
-            float scale, std::vector<float>& scores, float* out, float* stats) {
+            float scale, std::vector<float>& scores, float* out, float* stats,
+            const NextItem& next_item) {
   const int64_t seq_len = ctx.lens[seq], bs = ctx.block_size, D = ctx.head_dim, G = ctx.group;
   const int64_t heads = (kv_end - kv_begin) * G, num_used = (seq_len + bs - 1) / bs;
   TORCH_CHECK(num_used <= ctx.max_blocks, "decode_attention: seq_len beyond the block table");
@@ -1212,6 +1226,12 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
   std::fill(out, out + heads * D, 0.f);
   for (int64_t b = b_begin; b < b_end; ++b) {
     if (b + 1 < b_end && !fast) prefetch_block(block(v, b + 1), block_bytes);
+    const T* upcoming = nullptr;  // the next item's key rows in its block b - b_begin
+    if (fast && b - b_begin < next_item.num_blocks) {
+      const int32_t id = next_item.blocks[b - b_begin];
+      if (id >= 0 && id < ctx.num_blocks)
+        upcoming = k + id * ctx.block_stride + next_item.kv_begin * D;
+    }
     const int64_t t0 = (b - b_begin) * bs, n = std::min(bs, len - t0);
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* rows = block(v, b) + kv * D;
@@ -1221,7 +1241,8 @@ void attend(const PagedContext& ctx, int64_t seq, int64_t kv_begin, int64_t kv_e
       if (fast) {
         with_group(G, [&](auto g) {
           values_d64<decltype(g)::value>(probs, rows, n, ctx.token_stride, o, len,
-                                         values_early ? nullptr : ahead(v, b, kv));
+                                         values_early ? nullptr : ahead(v, b, kv),
+                                         upcoming ? upcoming + (kv - kv_begin) * D : nullptr);
         });
         continue;
       }
@@ -1304,9 +1325,18 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
   std::vector<float> part_acc(split ? num_parts * num_heads * D : 0);
   std::vector<float> part_stats(split ? num_parts * num_heads * 2 : 0);
 
+  auto next_of = [&](int64_t item) {  // NextItem of `item`
+    const int64_t part = item / items_per_part, seq = part_seq[part];
+    const int64_t used = (std::max<int64_t>(ctx.lens[seq], 0) + bs - 1) / bs;
+    const int64_t b_begin = (part - first_part[seq]) * part_blocks;
+    return NextItem{ctx.tables + seq * ctx.max_blocks + b_begin,
+                    std::max<int64_t>(0, std::min(used, b_begin + part_blocks) - b_begin),
+                    item % items_per_part * heads_per_item};
+  };
   at::parallel_for(0, num_parts * items_per_part, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(slice), query_rows(slice);
     for (int64_t item = begin; item < end; ++item) {
+      const NextItem next_item = item + 1 < end ? next_of(item + 1) : NextItem{};
       const int64_t part = item / items_per_part, seq = part_seq[part];
       const int64_t kv_begin = item % items_per_part * heads_per_item;
       const int64_t head0 = kv_begin * ctx.group;  // the item's first query head
@@ -1328,7 +1358,7 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
       const int64_t used = (ctx.lens[seq] + bs - 1) / bs;
       if (parts == 1) {
         attend(ctx, seq, kv_begin, kv_begin + heads_per_item, 0, used, query, k_ptr, v_ptr,
-               scale, scores, acc.data(), nullptr);
+               scale, scores, acc.data(), nullptr, next_item);
         store_values(out, first, acc.data(), slice);
         continue;
       }
@@ -1336,7 +1366,7 @@ void decode_attention_impl(const torch::Tensor& q, const T* k_ptr, const T* v_pt
       const int64_t b_end = std::min(used, b_begin + part_blocks);
       attend(ctx, seq, kv_begin, kv_begin + heads_per_item, b_begin, b_end, query, k_ptr, v_ptr,
              scale, scores, part_acc.data() + (part * num_heads + head0) * D,
-             part_stats.data() + (part * num_heads + head0) * 2);
+             part_stats.data() + (part * num_heads + head0) * 2, next_item);
     }
   });
   if (!split) return;

@@ -1,9 +1,11 @@
 """`conveyor health ADDR`: ask a Conveyor service for its standard gRPC health status.
 
 Container healthchecks (docker compose) use it: the exit status is 0 when the service answers
-SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable, timeout). It prints the status,
-so a person running it by hand sees why. With `--wait SECONDS` it keeps asking until the
-service is SERVING or SECONDS have passed, so a script can wait for a stack that is starting.
+SERVING, 1 otherwise (NOT_SERVING, unknown service, unreachable, timeout), and 2 for a bad flag
+or file (a --tls-ca that holds no certificate), so a misconfigured probe does not read as a dead
+service. It prints the status, so a person running it by hand sees why. With `--wait SECONDS`
+it keeps asking until the service is SERVING or SECONDS have passed, so a script can wait for
+a stack that is starting.
 """
 
 from __future__ import annotations

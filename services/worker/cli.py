@@ -217,7 +217,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace):
     from services.common.affinity import parse_cpu_list
     from services.common.security import internal_token
-    from services.worker.config import WorkerConfig, parse_projections
+    from services.worker.config import WorkerConfig, parse_layer_split, parse_projections
 
     return WorkerConfig(
         model_dir=args.model,
@@ -225,7 +225,7 @@ def build_config(args: argparse.Namespace):
         num_stages=args.stages,
         tp_rank=args.tp_rank,
         tensor_parallel_size=args.tensor_parallel_size,
-        layer_split=[int(x) for x in args.layer_split.split(",")] if args.layer_split else None,
+        layer_split=parse_layer_split(args.layer_split),
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from services.common.affinity import default_threads
-from services.common.config import parse_addr
+from services.common.config import default_of, parse_addr
 from services.common.errors import ConfigError, ModelLoadError
-from services.common.units import parse_bytes
+from services.common.units import format_bytes, parse_bytes
 from services.worker.model.stages import MAX_STAGES
 
 MAX_TENSOR_PARALLEL = 64  # the same bound as model/tensor_parallel.py (no torch import here)
@@ -35,6 +36,27 @@ def parse_projections(text: str | None) -> tuple[str, ...] | None:
     if text.strip().lower() == "none":
         return ()
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def parse_layer_split(text: str | None) -> list[int] | None:
+    """`--layer-split`: "10,10,10" -> [10, 10, 10]; None stays None (an even split)."""
+    if text is None:
+        return None
+    try:
+        return [int(count) for count in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--layer-split={text!r} is not a list of layer counts: use e.g. 15,15"
+        ) from None
+
+
+SIM_FLAGS = {
+    "sim_profile": "--sim-profile",
+    "sim_link_bandwidth": "--sim-link-bandwidth",
+    "sim_link_latency": "--sim-link-latency",
+    "sim_tensor_parallel_size": "--sim-tensor-parallel-size",
+}
+"""The fields only `--device sim` reads, and their flags."""
 
 
 @dataclass(slots=True)
@@ -217,6 +239,8 @@ class WorkerConfig:
             check_endpoint(self.otlp_endpoint)
         if self.device == "sim":
             self._check_sim()
+        else:
+            self._check_no_sim_flags()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={self.quantization!r} is unknown: choose one of "
@@ -237,6 +261,78 @@ class WorkerConfig:
                 f"linear_backend='onednn' needs a CPU device, float32 or bfloat16 and a torch "
                 f"built with oneDNN (device={self.device!r}, dtype={self.dtype!r}); use "
                 f"--linear-backend torch"
+            )
+        if self.quantization_ignore is not None and self.quantization is None:
+            self._check_quantization_ignore()
+        if self.max_model_len is not None:
+            self._check_max_model_len()
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """What this machine and --device allow: refused here, before anything is loaded or
+        allocated, rather than as a traceback (or a worker that fails every request)."""
+        backend = self.attention_backend
+        if backend == "triton" and self.device != "cuda":
+            raise ConfigError(
+                f"--attention-backend triton needs --device cuda (device={self.device!r}); "
+                "on CPU use cpu or torch"
+            )
+        if backend == "cpu" and self.device != "cpu":
+            raise ConfigError(
+                f"--attention-backend cpu needs --device cpu (device={self.device!r}); "
+                "on CUDA use triton or torch"
+            )
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"--device cuda: no CUDA device here (torch {torch.__version__}, "
+                    f"{torch.cuda.device_count()} GPUs seen); use --device cpu"
+                )
+        if self.device == "cpu":
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if self.kv_cache_memory > memory:
+                raise ConfigError(
+                    f"--kv-cache-memory={format_bytes(self.kv_cache_memory)} is more than this "
+                    f"machine's memory ({format_bytes(memory)}): lower it"
+                )
+
+    def _check_no_sim_flags(self) -> None:
+        """A --sim-* flag on a real device would be ignored: say so instead. (A flag given
+        with its default value cannot be told apart from an absent one, and changes nothing.)"""
+        for name, flag in SIM_FLAGS.items():
+            if getattr(self, name) != default_of(WorkerConfig, name):
+                raise ConfigError(f"{flag} needs --device sim (device={self.device!r})")
+
+    def _check_quantization_ignore(self) -> None:
+        """--quantization-ignore without --quantization means something for an FP8
+        checkpoint only (the projections it keeps in --dtype); elsewhere it is ignored."""
+        from services.worker.model.quant import checkpoint_quantization
+
+        try:
+            checkpoint = checkpoint_quantization(self.model_dir)
+        except ModelLoadError as exc:
+            raise ConfigError(str(exc)) from exc
+        if checkpoint is None:
+            raise ConfigError(
+                "--quantization-ignore needs --quantization (int8 or fp8): "
+                f"{self.model_dir} is not a quantized checkpoint"
+            )
+
+    def _check_max_model_len(self) -> None:
+        """The router's rule: no context longer than the model's (its position embeddings;
+        a longer one would also size the rotary tables and KV cache for it)."""
+        from services.worker.model.config import ModelConfig
+
+        try:
+            model_max = ModelConfig.from_dir(self.model_dir).max_position_embeddings
+        except ModelLoadError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.max_model_len > model_max:
+            raise ConfigError(
+                f"--max-model-len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max}"
             )
 
     def _check_sim(self) -> None:

@@ -329,12 +329,36 @@ def internal_server(name: str, service: str, config: WorkerConfig) -> GrpcServer
     )
 
 
-async def serve(config: WorkerConfig) -> None:
-    """Loads the stage, serves it until SIGTERM/SIGINT, then drains gracefully."""
+async def load_stage(config: WorkerConfig):
+    """The stage's runner and transport: weights and KV cache, or with --device sim the
+    timing model."""
     import torch
 
-    from services.worker.observability import install as install_observers
     from services.worker.transport import StageTransport
+
+    if config.device == "sim":  # every real part, the forward pass modeled
+        from services.worker.sim.stage import build_sim_stage
+
+        return await run_in_own_thread(build_sim_stage, config)
+    if config.rank_device.startswith("cuda:"):  # NCCL binds the current device
+        torch.cuda.set_device(config.rank_device)
+    runner = await run_in_own_thread(StageRunner.from_config, config)
+    transport = StageTransport(
+        config.stage_index,
+        config.num_stages,
+        config.dist_addr,
+        torch.device(config.rank_device),
+        bind_host=config.host,
+        secret=config.internal_token,
+        tp_rank=config.tp_rank,
+        tp_size=config.tensor_parallel_size,
+    )
+    return runner, transport
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Loads the stage, serves it until SIGTERM/SIGINT, then drains gracefully."""
+    from services.worker.observability import install as install_observers
 
     server = internal_server(f"stage {config.stage_index}", _SERVICE, config)
     model_name = Path(config.model_dir).name
@@ -354,24 +378,14 @@ async def serve(config: WorkerConfig) -> None:
     )
     await server.start()
     logger.info("stage %d/%d: loading %s", config.stage_index, config.num_stages, config.model_dir)
-    if config.device == "sim":  # every real part, the forward pass modeled
-        from services.worker.sim.stage import build_sim_stage
-
-        runner, transport = await run_in_own_thread(build_sim_stage, config)
-    else:
-        if config.rank_device.startswith("cuda:"):  # NCCL binds the current device
-            torch.cuda.set_device(config.rank_device)
-        runner = await run_in_own_thread(StageRunner.from_config, config)
-        transport = StageTransport(
-            config.stage_index,
-            config.num_stages,
-            config.dist_addr,
-            torch.device(config.rank_device),
-            bind_host=config.host,
-            secret=config.internal_token,
-            tp_rank=config.tp_rank,
-            tp_size=config.tensor_parallel_size,
-        )
+    try:
+        runner, transport = await load_stage(config)
+    except BaseException:
+        # Stop the started server while the loop still runs: left to the garbage collector,
+        # its __del__ schedules the shutdown on the loop asyncio.run has closed by then, and
+        # a refused start ends in "Exception ignored ... Event loop is closed".
+        await server.stop(grace_s=0)
+        raise
     eos = runner.model.config.eos_token_ids
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
     engine = StageEngine(runner, transport)

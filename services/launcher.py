@@ -25,10 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.affinity import cpu_budget, stage_cpus
-from services.common.config import MAX_PORT, at_least, checked, default_of, port_number
+from services.common.config import (
+    MAX_PORT,
+    at_least,
+    check_output_dir,
+    check_output_file,
+    checked,
+    default_of,
+    port_number,
+)
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port, reserve_ports
+from services.common.redis_url import check_redis_url, redacted
 from services.common.security import (
     ClientSecurity,
     add_internal_token_argument,
@@ -138,7 +147,7 @@ class Stack:
     def spawn(
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        logger.info("starting %s: %s", name, " ".join(argv))
+        logger.info("starting %s: %s", name, redacted(" ".join(argv)))
         child = Child(name, argv, env, _popen(argv, env))
         self.children.append(child)
         return child.proc
@@ -237,6 +246,7 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         check_ports(args)
         tp_size = check_parallel(args)
         check_draft_model(args)
+        check_outputs(args)
         redis_url = args.redis_url
         if not redis_url:
             stack.redis = RedisServer().start()
@@ -297,6 +307,20 @@ def check_model(args: argparse.Namespace) -> None:
         if args.model in KNOWN_MODELS:
             hint = f" (`conveyor models fetch {args.model}` downloads it and prints its directory)"
         raise ConfigError(f"--model {args.model}: {exc}{hint}") from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """--redis-url, and the files and folders the children write: a child refuses a bad one
+    with exit 2 as it starts, or loses its trace as it stops; refused here, nothing starts."""
+    if args.redis_url:
+        check_redis_url(args.redis_url)
+    num_pipelines = getattr(args, "pipelines", 1)
+    suffixes = [f".p{i}" for i in range(num_pipelines)] if num_pipelines > 1 else [""]
+    for flag, path in (("--timeline", args.timeline), ("--trace-scheduler", args.trace_scheduler)):
+        for suffix in suffixes if path else []:
+            check_output_file(path + suffix, flag)
+    if getattr(args, "record_plans", None):
+        check_output_dir(args.record_plans, "--record-plans")
 
 
 def check_ports(args: argparse.Namespace) -> None:
@@ -812,8 +836,6 @@ def _spawn_pipeline(
     tp_size = getattr(args, "tensor_parallel_size", 1)
     num_ranks = args.stages * tp_size
     name = f"p{index}" if num_pipelines > 1 else ""
-    if getattr(args, "record_plans", None):
-        Path(args.record_plans).mkdir(parents=True, exist_ok=True)
     dist_addr = f"{INTERNAL_HOST}:{free_port()}"
     worker_addrs = []
     for rank in range(num_ranks):  # stage-major: the order --workers wants

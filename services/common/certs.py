@@ -82,9 +82,10 @@ def write_certs(
     Raises:
         ConfigError: NAME.crt exists (without `force`), or the folder is not writable.
     """
+    from services.common.config import check_output_dir
     from services.common.errors import ConfigError
 
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "--out")
     files = CertFiles(out / "ca.crt", out / f"{name}.crt", out / f"{name}.key")
     if files.cert.exists() and not force:
         raise ConfigError(f"{files.cert} exists: pass --force to replace it")

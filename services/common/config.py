@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from services.common.errors import ConfigError
 
@@ -61,3 +63,35 @@ def at_least(low: int) -> Callable[[str], int]:
 
 port_number = checked(int, lambda p: 1 <= p <= MAX_PORT, f"in [1, {MAX_PORT}]")
 """An argparse `type=` for a TCP port a server listens on."""
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """Refuses (ConfigError naming `flag`) a file this process cannot write, e.g. one in a
+    folder that does not exist: checked at start, so that a trace written as the service
+    runs or stops is not lost then, with a traceback. Leaves no file that was not there."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {target.parent} does not exist")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write this file ({exc.strerror})") from None
+    if not existed:
+        target.unlink()
+
+
+def check_output_dir(path: str | Path, flag: str) -> None:
+    """Creates folder `path` (and its parents) unless it exists; ConfigError naming `flag`
+    when that fails or the folder cannot hold a new file."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag} {path} is a file: name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot write files in this folder ({exc.strerror})"
+        ) from None

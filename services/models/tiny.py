@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.config import check_output_dir
 from services.common.errors import ConfigError
 from services.models.gguf_convert import LlamaHParams, llama_config, write_json
 
@@ -138,13 +139,14 @@ def make_tiny_model(
     arguments and seed always give the same weights.
 
     Raises:
-        ConfigError: sizes that cannot form a Llama model, or an unsupported architecture.
+        ConfigError: sizes that cannot form a Llama model, an unsupported architecture, or
+            a `dir` that cannot be written.
     """
     from safetensors.numpy import save_file
 
     _validate(num_layers, hidden_size, num_heads, num_kv_heads, vocab_size, architecture)
     out = Path(dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "the model directory")
     tokenizer = train_tokenizer()
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     bos_id = tokenizer.token_to_id("<|im_start|>")

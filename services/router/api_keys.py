@@ -164,12 +164,15 @@ def run(args: argparse.Namespace) -> int:
     line = format_line(key, args.principal, args.tenant, args.priority_max)
     parse_key_file(line, "the new line")  # validates principal and tenant
     path = Path(args.file)
-    existing = path.read_text() if path.exists() else ""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "a") as f:
-        if existing and not existing.endswith("\n"):
-            f.write("\n")
-        f.write(line + "\n")
+    try:
+        existing = path.read_text() if path.exists() else ""
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            if existing and not existing.endswith("\n"):
+                f.write("\n")
+            f.write(line + "\n")
+    except OSError as exc:  # e.g. a folder that does not exist: no key was made
+        raise ConfigError(f"--file {path}: cannot write the key file ({exc.strerror})") from None
     print(
         f"added a key for principal {args.principal!r} to {path}; it is shown once:",
         file=sys.stderr,

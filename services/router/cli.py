@@ -185,7 +185,12 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.common.errors import ConfigError, ModelLoadError
     from services.router.server import serve
 
-    asyncio.run(serve(build_config(args)))
+    config = build_config(args)
+    try:
+        asyncio.run(serve(config))
+    except ModelLoadError as exc:  # the tokenizer: a bad --model, said in one line (exit 2)
+        raise ConfigError(f"--model {config.model_dir}: {exc}") from None
     return 0

@@ -112,6 +112,10 @@ class RouterConfig:
         for address in self.scheduler_addresses:
             if ":" not in address:
                 raise ConfigError(f"scheduler address {address!r} must be HOST:PORT")
+        if self.redis_url:
+            from services.common.redis_url import check_redis_url
+
+            check_redis_url(self.redis_url)
         if self.routing not in {p.value for p in RoutingPolicy}:
             raise ConfigError(
                 f"--routing={self.routing!r} is not known: use one of "

@@ -44,6 +44,8 @@ from services.router.upstream import (
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 2.0
+_DISCOVERY_RETRY_S = (1.0, 30.0)
+"""Seconds between reads of the announcements while Redis refuses: first, most (doubling)."""
 _TENANT_SALT = "tenant:{}"  # services/scheduler/request.py Request.cache_salt
 
 
@@ -86,6 +88,9 @@ class SchedulerPool:
         self.pipelines: dict[str, Pipeline] = {}
         """By scheduler address."""
         self._discovery = discovery
+        self._discovery_delay_s = _DISCOVERY_RETRY_S[0]
+        self._discovery_retry_at = 0.0
+        """After a failed read: no other read before this time (time.monotonic)."""
         self._owners: dict[tuple[str, str], str] = {}
         """(principal, request id) -> address of the pipeline that runs it, while streaming
         and until its abort."""
@@ -117,13 +122,20 @@ class SchedulerPool:
         return any(p.view.serving for p in self.pipelines.values())
 
     async def refresh(self, timeout_s: float = 1.0) -> None:
-        if self._discovery is not None:
+        if self._discovery is not None and time.monotonic() >= self._discovery_retry_at:
             try:
                 announcements = await asyncio.to_thread(self._discovery)
             except Exception as exc:  # noqa: BLE001 - Redis down: keep what is known
-                logger.warning("cannot read the pipelines' announcements: %s", exc)
-                announcements = None
-            if announcements is not None:
+                delay_s = self._discovery_delay_s
+                logger.warning(
+                    "cannot read the pipelines' announcements: %s (retrying in %.0f s)",
+                    exc,
+                    delay_s,
+                )
+                self._discovery_retry_at = time.monotonic() + delay_s
+                self._discovery_delay_s = min(2 * delay_s, _DISCOVERY_RETRY_S[1])
+            else:
+                self._discovery_delay_s = _DISCOVERY_RETRY_S[0]
                 self._apply(announcements)
         static = [p for p in self.pipelines.values() if p.is_static]
         await asyncio.gather(*(self._poll(p, timeout_s) for p in static))

@@ -102,14 +102,23 @@ def build_core(config: RouterConfig) -> RouterCore:
 def announcement_reader(redis_url: str):
     """A blocking callable returning the pipelines announced in Redis now."""
     import redis
+    from redis.exceptions import AuthenticationError
 
     from services.common.pipelines import read_announcements
     from services.common.redis_auth import redis_connection_kwargs
+    from services.common.redis_url import refused_auth_message
 
     client = redis.Redis.from_url(
         redis_url, socket_timeout=2.0, **redis_connection_kwargs(os.environ)
     )
-    return lambda: read_announcements(client)
+
+    def read():
+        try:
+            return read_announcements(client)
+        except AuthenticationError as exc:  # redis-py's words alone do not say what to do
+            raise ConnectionError(refused_auth_message(redis_url, exc)) from exc
+
+    return read
 
 
 def server_security(config: RouterConfig) -> ServerSecurity:

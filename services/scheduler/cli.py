@@ -283,11 +283,16 @@ def build_config(args: argparse.Namespace) -> SchedulerConfig:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.common.config import check_output_file
+    from services.common.errors import ConfigError
     from services.scheduler.server import serve
 
     config = build_config(args)
     if not config.workers:
-        from services.common.errors import ConfigError
-
         raise ConfigError("--workers lists no address: give each stage worker's HOST:PORT")
+    # written as it runs and as it stops: refused now rather than lost then
+    if config.trace_scheduler:
+        check_output_file(config.trace_scheduler, "--trace-scheduler")
+    if config.timeline:
+        check_output_file(config.timeline, "--timeline")
     return asyncio.run(serve(config))

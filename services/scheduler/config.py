@@ -232,6 +232,10 @@ class SchedulerConfig:
                 "max_message_bytes and max_abs_priority must be below 2^31 (gRPC and proto "
                 f"int32 bounds): got {self.max_message_bytes} and {self.max_abs_priority}"
             )
+        if self.redis_url:
+            from services.common.redis_url import check_redis_url
+
+            check_redis_url(self.redis_url)
         if self.pipeline_id:
             from services.common.pipelines import check_pipeline_id
 

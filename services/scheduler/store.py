@@ -45,7 +45,6 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -53,7 +52,7 @@ from redis.exceptions import AuthenticationError, NoScriptError, RedisError
 from redis.retry import Retry
 
 from services.common.errors import RequestExists, StateStoreError, StoreLost
-from services.common.redis_auth import PASSWORD_ENV, PASSWORD_FILE_ENV
+from services.common.redis_url import redacted, refused_auth_message
 from services.common.sampling import SamplingParams
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.state import RequestUpdate
@@ -137,7 +136,7 @@ class RedisStateStore:
         `pipeline_id` names the pipeline whose requests this store writes and recovers."""
         if finished_ttl_s < 1:
             raise StateStoreError(f"finished_ttl_s={finished_ttl_s} must be >= 1 second")
-        self.url = _redacted(url)
+        self.url = redacted(url)
         """The URL without its password: it goes into logs and error messages."""
         self.finished_ttl_s = finished_ttl_s
         self.pipeline_id = pipeline_id
@@ -410,26 +409,12 @@ class RedisStateStore:
 
     def _error(self, exc: Exception) -> StateStoreError:
         if isinstance(exc, AuthenticationError):
-            return StateStoreError(
-                f"Redis at {self.url} refused to authenticate this client ({exc}). Give the "
-                f"password Redis requires (its requirepass) in {PASSWORD_ENV} or in a file "
-                f"named by {PASSWORD_FILE_ENV}."
-            )
+            return StateStoreError(refused_auth_message(self.url, exc))
         return StateStoreError(
             f"Redis at {self.url} did not answer ({type(exc).__name__}: {exc}); request state "
             "there is unchanged or partly written and the change will be sent again. Check "
             "that Redis is running and reachable (--redis-url)."
         )
-
-
-def _redacted(url: str) -> str:
-    """`url` with the password, if any, replaced by `***`."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _encode_meta(request: Request, owner: str) -> dict[str, bytes | str]:

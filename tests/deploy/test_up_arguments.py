@@ -126,3 +126,36 @@ def test_up_help_says_metrics_listen_on_every_interface():
     launcher.add_arguments(parser)
     (action,) = [a for a in parser._actions if "--metrics-port" in a.option_strings]
     assert "0.0.0.0" in action.help and "--host" in action.help
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trace-scheduler", "{tmp}/no/t.jsonl"], "--trace-scheduler {tmp}/no/t.jsonl: the"),
+        (["--timeline", "{tmp}/no/tl.json"], "--timeline {tmp}/no/tl.json: the folder"),
+        (["--timeline", "{tmp}/no/tl", "--pipelines", "2"], "--timeline {tmp}/no/tl.p0: the"),
+        (["--record-plans", "/proc/conveyor-nope"], "--record-plans /proc/conveyor-nope: cannot"),
+        (["--redis-url", "redis://:s3cret@h:port/0"], "--redis-url redis://:***@h:port/0: the"),
+        (["--redis-url", "redis://h:6379/abc"], "the database 'abc' must be a number"),
+    ],
+)
+@pytest.mark.usefixtures("nothing_starts", "root_logging")
+def test_up_refuses_an_unwritable_output_or_bad_redis_url_at_once(
+    model_dir, tmp_path, capsys, argv, message
+):
+    """The scheduler refused them with exit 1 and was restarted 5 times (~64 s), or lost its
+    timeline as it stopped; the workers' --record-plans folder raised a traceback."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(["up", "--model", str(model_dir), "--stages", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message.replace("{tmp}", str(tmp_path)) in err
+    assert "s3cret" not in err and "Traceback" not in err
+
+
+def test_up_logs_children_argv_without_the_redis_password(monkeypatch, caplog):
+    monkeypatch.setattr(launcher, "_popen", lambda argv, env: None)
+    argv = ["scheduler", "--redis-url", "redis://:s3cret@127.0.0.1:6379/0", "--port", "5"]
+    with caplog.at_level(logging.INFO, logger="services.launcher"):
+        launcher.Stack().spawn("scheduler", argv)
+    assert "--redis-url redis://:***@127.0.0.1:6379/0 --port 5" in caplog.text
+    assert "s3cret" not in caplog.text

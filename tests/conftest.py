@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -28,3 +29,13 @@ def redis_url() -> str:
 
     with RedisServer() as server:
         yield server.url
+
+
+@pytest.fixture
+def root_logging():
+    """`cli.main` points the root logger at this test's stderr: put it back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

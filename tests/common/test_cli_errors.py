@@ -3,8 +3,6 @@ traceback (exit 1), and a file a service writes later is checked as it starts.""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from services import cli
@@ -14,14 +12,7 @@ from services.common.errors import ConfigError
 UNWRITABLE = "/proc/conveyor-nope"  # /proc refuses new entries, even to root
 
 
-@pytest.fixture(autouse=True)
-def root_logging():
-    """`cli.main` points the root logger at this test's stderr: put it back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("root_logging")
 
 
 @pytest.fixture

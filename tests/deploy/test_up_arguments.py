@@ -26,16 +26,6 @@ def nothing_starts(monkeypatch):
     monkeypatch.setattr(launcher.signal, "signal", lambda *_: None)  # pytest's stay
 
 
-@pytest.fixture
-def root_logging():
-    """`cli.main` points the root logger at this test's stderr: put it back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def up_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="conveyor up")
     launcher.add_arguments(parser)

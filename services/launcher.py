@@ -46,7 +46,7 @@ from services.common.security import (
 )
 from services.router.config import DEFAULT_HTTP_PORT
 from services.worker.cli import add_sim_arguments
-from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig
+from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig, check_no_sim_flags
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +247,8 @@ def start_stack(args: argparse.Namespace, stack: Stack | None = None) -> tuple[S
         tp_size = check_parallel(args)
         check_draft_model(args)
         check_outputs(args)
+        if args.device != "sim":  # the workers would not see them
+            check_no_sim_flags(args, args.device)
         redis_url = args.redis_url
         if not redis_url:
             stack.redis = RedisServer().start()

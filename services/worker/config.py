@@ -59,6 +59,15 @@ SIM_FLAGS = {
 """The fields only `--device sim` reads, and their flags."""
 
 
+def check_no_sim_flags(values: object, device: str) -> None:
+    """A --sim-* flag on a real device would be ignored: say so instead (`values`: a
+    WorkerConfig, or `conveyor up`'s arguments). A flag given with its default value cannot
+    be told apart from an absent one, and changes nothing."""
+    for name, flag in SIM_FLAGS.items():
+        if getattr(values, name) != default_of(WorkerConfig, name):
+            raise ConfigError(f"{flag} needs --device sim (device={device!r})")
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """Configuration of one pipeline stage worker (CLI flags keep vLLM's names)."""
@@ -240,7 +249,7 @@ class WorkerConfig:
         if self.device == "sim":
             self._check_sim()
         else:
-            self._check_no_sim_flags()
+            check_no_sim_flags(self, self.device)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={self.quantization!r} is unknown: choose one of "
@@ -297,13 +306,6 @@ class WorkerConfig:
                     f"--kv-cache-memory={format_bytes(self.kv_cache_memory)} is more than this "
                     f"machine's memory ({format_bytes(memory)}): lower it"
                 )
-
-    def _check_no_sim_flags(self) -> None:
-        """A --sim-* flag on a real device would be ignored: say so instead. (A flag given
-        with its default value cannot be told apart from an absent one, and changes nothing.)"""
-        for name, flag in SIM_FLAGS.items():
-            if getattr(self, name) != default_of(WorkerConfig, name):
-                raise ConfigError(f"{flag} needs --device sim (device={self.device!r})")
 
     def _check_quantization_ignore(self) -> None:
         """--quantization-ignore without --quantization means something for an FP8

@@ -127,6 +127,7 @@ def test_up_help_says_metrics_listen_on_every_interface():
         (["--record-plans", "/proc/conveyor-nope"], "--record-plans /proc/conveyor-nope: cannot"),
         (["--redis-url", "redis://:s3cret@h:port/0"], "--redis-url redis://:***@h:port/0: the"),
         (["--redis-url", "redis://h:6379/abc"], "the database 'abc' must be a number"),
+        (["--sim-profile", "h100"], "--sim-profile needs --device sim"),  # was ignored
     ],
 )
 @pytest.mark.usefixtures("nothing_starts", "root_logging")

@@ -79,7 +79,11 @@ async def serve(config: WorkerConfig) -> None:
     await server.start()
     logger.info("draft worker: loading %s", config.model_dir)
     loop = asyncio.get_running_loop()
-    runner = await loop.run_in_executor(servicer.compute, StageRunner.from_config, config)
+    try:
+        runner = await loop.run_in_executor(servicer.compute, StageRunner.from_config, config)
+    except BaseException:  # stopped while the loop runs, as the stage worker's (server.py)
+        await server.stop(grace_s=0)
+        raise
     max_model_len = config.max_model_len or runner.model.config.max_position_embeddings
     servicer.eos_token_ids = list(runner.model.config.eos_token_ids)
     servicer.drafter = Drafter(runner, max_model_len)

@@ -34,16 +34,12 @@ from services.common.config import (
     default_of,
     port_number,
 )
+from services.common.credentials import check_tls_files
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port, reserve_ports
 from services.common.redis_url import check_redis_url, redacted
-from services.common.security import (
-    ClientSecurity,
-    add_internal_token_argument,
-    add_tls_arguments,
-    check_tls_files,
-)
+from services.common.security import ClientSecurity, add_internal_token_argument, add_tls_arguments
 from services.router.config import DEFAULT_HTTP_PORT
 from services.worker.cli import add_sim_arguments
 from services.worker.config import DEVICES, QUANTIZATIONS, WorkerConfig, check_no_sim_flags

@@ -16,12 +16,12 @@ import os
 from pathlib import Path
 
 from services.common.config import at_least, checked
+from services.common.credentials import internal_token
 from services.common.security import (
     ENV_API_KEY,
     ClientSecurity,
     add_internal_token_argument,
     add_tls_arguments,
-    internal_token,
 )
 
 logger = logging.getLogger(__name__)

@@ -15,12 +15,8 @@ import sys
 import time
 
 from services.common.config import checked
-from services.common.security import (
-    ClientSecurity,
-    add_internal_token_argument,
-    add_tls_arguments,
-    internal_token,
-)
+from services.common.credentials import internal_token
+from services.common.security import ClientSecurity, add_internal_token_argument, add_tls_arguments
 
 DEFAULT_WATCH_S = 2.0
 

@@ -6,11 +6,8 @@ import argparse
 import os
 
 from services.common.config import default_of
-from services.common.security import (
-    add_internal_token_argument,
-    add_tls_arguments,
-    internal_token,
-)
+from services.common.credentials import internal_token
+from services.common.security import add_internal_token_argument, add_tls_arguments
 from services.router.config import DEFAULT_PORT, RouterConfig
 from services.router.routing import RoutingPolicy
 

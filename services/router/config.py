@@ -136,7 +136,7 @@ class RouterConfig:
         ):
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"--{name}={value} is out of range: must be in [1, 65535]")
-        from services.common.security import check_tls_files, read_secret
+        from services.common.credentials import check_tls_files, read_secret
 
         check_tls_files(self.tls_cert, self.tls_key)
         if self.tls_client_ca and not self.tls_cert:

@@ -6,11 +6,8 @@ import argparse
 import os
 
 from services.common.config import default_of
-from services.common.security import (
-    add_internal_token_argument,
-    add_tls_arguments,
-    internal_token,
-)
+from services.common.credentials import internal_token
+from services.common.security import add_internal_token_argument, add_tls_arguments
 from services.scheduler.config import SchedulerConfig, SchedulerPolicy, SchedulingMode
 
 LIMIT_FLAGS = (  # (flag, SchedulerConfig field, help): what a Submit may carry

@@ -216,7 +216,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace):
     from services.common.affinity import parse_cpu_list
-    from services.common.security import internal_token
+    from services.common.credentials import internal_token
     from services.worker.config import WorkerConfig, parse_layer_split, parse_projections
 
     return WorkerConfig(

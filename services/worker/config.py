@@ -237,7 +237,8 @@ class WorkerConfig:
             if value is not None and not 0 < value < 65536:
                 raise ConfigError(f"{name}={value} is out of range: must be in [1, 65535]")
         parse_addr(self.dist_addr, "--dist-addr")
-        from services.common.security import check_internal_tls, read_secret
+        from services.common.credentials import read_secret
+        from services.common.security import check_internal_tls
 
         check_internal_tls(self.tls_cert, self.tls_key, self.tls_ca)
         if self.internal_token is None and self.internal_token_file:

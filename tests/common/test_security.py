@@ -13,18 +13,20 @@ from cryptography.hazmat.primitives import serialization
 
 from services.common.auth import OpenAccess
 from services.common.certs import CertFiles, write_certs
-from services.common.errors import ConfigError
-from services.common.security import (
+from services.common.credentials import (
     ENV_INTERNAL_TOKEN,
     ENV_INTERNAL_TOKEN_FILE,
-    ClientSecurity,
-    ServerSecurity,
     check_ca_file,
-    check_internal_tls,
     check_key_pair,
-    internal_server_security,
     internal_token,
     read_secret,
+)
+from services.common.errors import ConfigError
+from services.common.security import (
+    ClientSecurity,
+    ServerSecurity,
+    check_internal_tls,
+    internal_server_security,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -115,3 +115,24 @@ def test_a_conveyor_channel_fails_calls_to_a_server_that_stopped(children):
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(main())
+
+
+def test_every_conveyor_channel_tries_a_server_that_went_away_again_within_a_second(
+    monkeypatch,
+):
+    # grpc's default backoff grows to 120 s: a router whose scheduler was down for 30 s took
+    # 11 to 15 s more to see it back (docs/deployment.md, "Faults and durability"). The cap is an option of every channel
+    # the services make (all through ClientSecurity), so it is checked on what they pass.
+    made = []
+
+    def record(address, options=()):
+        made.append(dict(options))
+
+    monkeypatch.setattr(grpc, "insecure_channel", record)
+    monkeypatch.setattr(grpc.aio, "insecure_channel", record)
+    ClientSecurity().channel("127.0.0.1:1")
+    ClientSecurity().channel("127.0.0.1:1", keepalive_s=FAST)
+    ClientSecurity().sync_channel("127.0.0.1:1")
+    assert len(made) == 3
+    for options in made:
+        assert options["grpc.max_reconnect_backoff_ms"] == 1000

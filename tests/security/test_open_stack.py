@@ -14,9 +14,11 @@ equal ids meet in one namespace, the hardest case for ownership:
 from __future__ import annotations
 
 import random
+import signal
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client.client import ConveyorClient
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2
@@ -34,6 +36,16 @@ def stack(tiny_dir):
     stack = RouterStack(tiny_dir, 1, max_model_len=4096, router_args=("--resume-timeout", "90"))
     yield stack.start()
     stack.stop()
+
+
+def health(address: str) -> int | None:
+    """The router's health status, or None when it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError:
+            return None
 
 
 def _victim(stack: RouterStack, request_id: str):
@@ -87,23 +99,30 @@ def test_duplicate_id_during_a_worker_restart_reads_nothing_of_the_running_reque
 def test_duplicate_id_during_a_scheduler_restart_reads_nothing_of_the_running_request(stack):
     victim = _victim(stack, "shared-3")
     pipeline = stack.pipeline
-    pipeline.kill_scheduler()
+    # The scheduler stops answering before it dies, so that the router still takes it for
+    # serving when the second Submit arrives and sends it (a router that had seen the
+    # scheduler go would refuse the Submit at once: UNAVAILABLE, no pipeline is serving).
+    pipeline.scheduler.send_signal(signal.SIGSTOP)
     attacker = stream_in_thread(
         ConveyorClient(stack.address, timeout_s=300),
         prompt="hello",
         request_id="shared-3",
         max_tokens=4,
     )
-    # The router keeps retrying Resume until the scheduler is back; the restarted scheduler
-    # knows the running request (and its owner token) from Redis only. The second Submit
-    # never reached a scheduler (none took it), so the router submits it again, and the
-    # restarted scheduler refuses it as it would have: the id is in use.
+    wait_until(lambda: health(stack.address) != health_pb2.HealthCheckResponse.SERVING, 60)
+    pipeline.kill_scheduler()
+    # The Submit broke with the session, unanswered. The router keeps retrying until the
+    # scheduler is back; the restarted scheduler knows the running request (and its owner
+    # token) from Redis only, and refuses the Submit as it would have: the id is in use.
     pipeline.start_scheduler()
     attacker.join()
     assert attacker.token_ids == [], "the second client received the running request's tokens"
     assert attacker.error is not None
     assert attacker.error.code() is grpc.StatusCode.ALREADY_EXISTS, attacker.error.details()
     _assert_untouched(victim)
+    # The router sees the scheduler back within a second or so (its channel's reconnect
+    # backoff is capped, services/common/keepalive.py), so the next test finds it serving.
+    stack.router.wait_serving(60)
 
 
 def test_abort_that_arrives_before_its_submit_wins(stack):

@@ -34,7 +34,7 @@ from services.common.config import (
     default_of,
     port_number,
 )
-from services.common.credentials import check_tls_files
+from services.common.credentials import check_tls_files, internal_token
 from services.common.errors import ConfigError, ModelLoadError
 from services.common.process import child_env
 from services.common.redis_server import RedisServer, free_port, reserve_ports
@@ -387,7 +387,9 @@ def _security_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", args.tls_ca]
     token = ["--internal-token-file", args.internal_token_file] if args.internal_token_file else []
     keys = ["--api-key-file", args.api_key_file] if args.api_key_file else []
-    has_token = bool(token) or bool(os.environ.get("CONVEYOR_INTERNAL_TOKEN"))
+    # read as every child will read it: a blank or unreadable token is refused before
+    # anything starts, Redis included
+    has_token = internal_token(args.internal_token_file, os.environ) is not None
     if not (keys or args.tls_client_ca):
         logger.info(
             "unauthenticated mode: clients of the router on %s are anonymous (--api-key-file "

@@ -102,9 +102,19 @@ def _label(args, dtype: str, quantization: str | None) -> str:
 
 
 def _run_ppl(args) -> int:
-    from services.common.errors import ConfigError
+    from services.common.errors import ConfigError, ModelLoadError
     from services.eval.quality import corpus_text, make_windows, perplexity
+    from services.worker.model.config import ModelConfig
 
+    try:
+        model_max = ModelConfig.from_dir(args.model).max_position_embeddings
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from exc
+    if args.window > model_max:  # a window is one sequence: the worker's rule, in eval's terms
+        raise ConfigError(
+            f"--window={args.window} exceeds the model's max_position_embeddings={model_max}: "
+            f"lower --window"
+        )
     token_ids = _tokenizer(args.model).encode(corpus_text()).ids
     windows = make_windows(token_ids, args.window, args.num_windows)
     if len(windows) < args.num_windows:

@@ -150,3 +150,24 @@ def test_up_logs_children_argv_without_the_redis_password(monkeypatch, caplog):
         launcher.Stack().spawn("scheduler", argv)
     assert "--redis-url redis://:***@127.0.0.1:6379/0 --port 5" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({"CONVEYOR_INTERNAL_TOKEN": "  "}, [], "CONVEYOR_INTERNAL_TOKEN is set but blank"),
+        ({}, ["--internal-token-file", "{tmp}/missing"], "--internal-token-file"),
+    ],
+)
+@pytest.mark.usefixtures("nothing_starts", "root_logging")
+def test_up_refuses_a_blank_or_missing_internal_token_before_starting_redis(
+    model_dir, tmp_path, monkeypatch, capsys, env, argv, message
+):
+    """up started Redis, then each child refused the token (exit 2) and up stopped."""
+    monkeypatch.delenv("CONVEYOR_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("CONVEYOR_INTERNAL_TOKEN_FILE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(["up", "--model", str(model_dir), "--stages", "1", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -117,3 +117,9 @@ def test_eval_cli_prints_perplexity_and_agreement(tiny_dir, capsys):
 def test_eval_cli_rejects_a_corpus_too_small(tiny_dir, capsys):
     code = main(["eval", "ppl", "--model", str(tiny_dir), "--num-windows", "100000"])
     assert code == 2 and "lower --num-windows" in capsys.readouterr().err
+
+
+def test_eval_cli_refuses_a_window_longer_than_the_model_in_its_own_terms(tiny_dir, capsys):
+    code = main(["eval", "ppl", "--model", str(tiny_dir), "--window", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--window=100000 exceeds" in err and "max-model-len" not in err

@@ -14,7 +14,10 @@ A channel whose server is gone tries again after a backoff that grows (grpc's de
 1 s, times 1.6 per failure, up to 120 s), and fails every call meanwhile without trying.
 After a scheduler was down for 30 s its router took 11 to 15 s more to see it back, and
 refused requests all that time; `RECONNECT_MAX_S` caps the backoff (grpc's
-doc/connection-backoff.md).
+doc/connection-backoff.md). A server that comes back at another address (a Kubernetes pod
+restarted behind a headless Service, as the stage workers are) is found when the channel
+resolves its name again, which grpc does at most every 30 s by default: a channel reached a
+restarted server's new address 27 s after it served. `RECONNECT_MAX_S` bounds that too.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ MIN_CLIENT_PING_INTERVAL_S = 10.0
 """Servers accept client pings this often (grpc's default, 5 minutes, would answer
 Conveyor's own clients' pings with GOAWAY "too_many_pings")."""
 RECONNECT_MAX_S = 1.0
-"""The longest a channel waits before it tries a server that went away again."""
+"""The longest a channel waits before it tries a server that went away again, and before it
+resolves the server's name again."""
 
 
 def channel_options(
@@ -38,6 +42,7 @@ def channel_options(
     return [
         *_pings(interval_s, timeout_s),
         ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_S * 1000)),
+        ("grpc.dns_min_time_between_resolutions_ms", int(RECONNECT_MAX_S * 1000)),
     ]
 
 

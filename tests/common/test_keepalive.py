@@ -136,3 +136,4 @@ def test_every_conveyor_channel_tries_a_server_that_went_away_again_within_a_sec
     assert len(made) == 3
     for options in made:
         assert options["grpc.max_reconnect_backoff_ms"] == 1000
+        assert options["grpc.dns_min_time_between_resolutions_ms"] == 1000  # grpc's: 30 s

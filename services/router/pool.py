@@ -44,7 +44,7 @@ from services.router.upstream import (
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 2.0
-_DISCOVERY_RETRY_S = (1.0, 30.0)
+_DISCOVERY_RETRY_S = (1.0, 5.0)
 """Seconds between reads of the announcements while Redis refuses: first, most (doubling)."""
 _TENANT_SALT = "tenant:{}"  # services/scheduler/request.py Request.cache_salt
 

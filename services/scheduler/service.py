@@ -63,7 +63,7 @@ from services.scheduler.validation import validate_submission
 logger = logging.getLogger(__name__)
 
 
-RECOVER_RETRY_S = (1.0, 30.0)
+RECOVER_RETRY_S = (1.0, 5.0)
 """First and longest wait between tries to read the request state from Redis at start."""
 HUNG_RECHECK_S = 1.0
 """Past --step-timeout the loop waits this much more for a report before it calls a stage

@@ -52,3 +52,21 @@ def test_discovery_backs_off_while_redis_refuses(monkeypatch, caplog):
     assert calls == [100.0, 101.0, 103.0, 103.5]
     assert "(retrying in 1 s)" in caplog.text and "(retrying in 2 s)" in caplog.text
     assert pool._discovery_delay_s == pool_module._DISCOVERY_RETRY_S[0]  # reset on success
+
+
+def test_discovery_asks_a_refusing_redis_again_at_least_every_5_s(monkeypatch):
+    # A router that asked again after 30 s served pipelines up to 30 s after Redis returned.
+    now = [0.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
+    calls = []
+
+    def discovery():
+        calls.append(now[0])
+        raise ConnectionError("Redis refused")
+
+    pool = SchedulerPool([], discovery=discovery)
+    for tick in range(120):  # two minutes of 1 s refresh ticks
+        now[0] = float(tick)
+        asyncio.run(pool.refresh())
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert gaps[:3] == [1.0, 2.0, 4.0] and max(gaps) == 5.0

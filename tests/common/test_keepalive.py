@@ -121,8 +121,9 @@ def test_every_conveyor_channel_tries_a_server_that_went_away_again_within_a_sec
     monkeypatch,
 ):
     # grpc's default backoff grows to 120 s: a router whose scheduler was down for 30 s took
-    # 11 to 15 s more to see it back (docs/deployment.md, "Faults and durability"). The cap is an option of every channel
-    # the services make (all through ClientSecurity), so it is checked on what they pass.
+    # 11 to 15 s more to see it back (docs/deployment.md, "Faults and durability"). The cap
+    # is an option of every channel the services make (all through ClientSecurity), so it
+    # is checked on what they pass.
     made = []
 
     def record(address, options=()):

@@ -18,11 +18,11 @@ import signal
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client.client import ConveyorClient
 from services.common.proto.conveyor.v1 import common_pb2, scheduler_pb2
 from tests.integration.utils import wait_until
+from tests.scaleout.utils import SERVING, health
 from tests.security.utils import RouterStack, stream_in_thread
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,6 @@ def stack(tiny_dir):
     stack = RouterStack(tiny_dir, 1, max_model_len=4096, router_args=("--resume-timeout", "90"))
     yield stack.start()
     stack.stop()
-
-
-def health(address: str) -> int | None:
-    """The router's health status, or None when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            stub = health_pb2_grpc.HealthStub(channel)
-            return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-        except grpc.RpcError:
-            return None
 
 
 def _victim(stack: RouterStack, request_id: str):
@@ -109,7 +99,7 @@ def test_duplicate_id_during_a_scheduler_restart_reads_nothing_of_the_running_re
         request_id="shared-3",
         max_tokens=4,
     )
-    wait_until(lambda: health(stack.address) != health_pb2.HealthCheckResponse.SERVING, 60)
+    wait_until(lambda: health(stack.address, 5.0) != SERVING, 60)
     pipeline.kill_scheduler()
     # The Submit broke with the session, unanswered. The router keeps retrying until the
     # scheduler is back; the restarted scheduler knows the running request (and its owner

@@ -261,9 +261,11 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
     import sys
 
     from services.common.affinity import pin_process
+    from services.worker.engine import session_threads_alive
 
     config = build_config(args)
     if config.is_draft:
@@ -277,4 +279,17 @@ def run(args: argparse.Namespace) -> int:
     # critical path, with 0.5 ms about 0.7 ms (2-core CPU, 32-request decode steps).
     sys.setswitchinterval(0.0005)
     asyncio.run(serve(config))
+    if session_threads_alive():
+        # A session thread still inside torch.distributed (a peer wait, or a rendezvous the
+        # stopping stages never finished) would have its C++ objects destroyed under it at
+        # the interpreter's exit, which can abort the process ("terminate called without an
+        # active exception", exit -6): leave now, without running those destructors.
+        logging.getLogger(__name__).info(
+            "stage %d: exiting at once: an ended session's thread is still inside "
+            "torch.distributed",
+            config.stage_index,
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0

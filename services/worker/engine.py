@@ -38,6 +38,14 @@ PLAN_WAIT_REPORTED = 0.02
 """Stage 0 tells the scheduler of a plan wait longer than this share of its previous step
 (shorter ones are noise to the scheduler's window, services/scheduler/lead.py)."""
 
+_session_threads: list[threading.Thread] = []
+
+
+def session_threads_alive() -> bool:
+    """Whether a session's compute thread still runs: once its session ended, it is inside
+    torch.distributed's C++ code (a peer wait, or a rendezvous that has not ended)."""
+    return any(thread.is_alive() for thread in _session_threads)
+
 
 @dataclass(slots=True)
 class StepRecord:
@@ -171,6 +179,8 @@ class StageEngine:
             target=self._loop, args=(session,), name=f"stage{self.stage}", daemon=True
         )
         self._session = session
+        _session_threads[:] = [thread for thread in _session_threads if thread.is_alive()]
+        _session_threads.append(session.thread)
         session.thread.start()
 
     def between_steps(self, action: Callable[[], None]) -> None:
@@ -205,6 +215,9 @@ class StageEngine:
         try:
             session.link = self.transport.connect(session.epoch)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler
+            if session.is_stale:  # ended while joining (e.g. the stages stopping): no fault
+                logger.info("stage %d: an ended session's join failed: %s", self.stage, exc)
+                return
             logger.exception("stage %d could not join the pipeline", self.stage)
             session.broken = f"{self.name} could not join the pipeline: {exc}"
         with self._runner_lock:

@@ -143,7 +143,11 @@ class SchedulerPool:
             # Lost: announced once, its announcement expired, and (a listed one) its
             # health unanswered too; a live one announces again within a tick.
             if pipeline.is_announced and pipeline.is_expired and not pipeline.view.serving:
-                pipeline.lost.set()
+                if not pipeline.lost.is_set():
+                    pipeline.lost.set()
+                    pipeline.client.drop_session(
+                        f"pipeline {pipeline.pipeline_id} is lost (its announcement expired)"
+                    )
             else:
                 pipeline.lost.clear()
 

@@ -72,6 +72,7 @@ class SchedulerSession:
         self._call = stub.Session(self._send(), metadata=metadata)
         self._reader = asyncio.create_task(self._read(), name="scheduler-session")
         self.is_open = True
+        self._dropped: grpc.aio.AioRpcError | None = None
 
     def open(self, command: scheduler_pb2.SessionRequest) -> SessionStream:
         """Sends a submit or resume on a new stream."""
@@ -98,6 +99,15 @@ class SchedulerSession:
         self._call.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
 
+    def drop(self, details: str) -> None:
+        """Ends the session now, its scheduler lost: what the scheduler has not read of it
+        is never read (a stopped scheduler would read it on waking, and run a Submit the
+        router has since sent elsewhere), and every open stream breaks with UNAVAILABLE
+        `details`, to be resumed elsewhere."""
+        self.is_open = False
+        self._dropped = _status(grpc.StatusCode.UNAVAILABLE, details)
+        self._call.cancel()
+
     async def _send(self):
         """The commands, until None: a session that ended stops gRPC's task that sends them
         (left waiting here, it was destroyed pending, logged at ERROR, when the session was
@@ -117,7 +127,9 @@ class SchedulerSession:
                 logger.warning("scheduler session broke: %s %s", exc.code().name, exc.details())
             ended = exc
         except asyncio.CancelledError:
-            ended = _status(grpc.StatusCode.CANCELLED, "the router closed the session")
+            ended = self._dropped or _status(
+                grpc.StatusCode.CANCELLED, "the router closed the session"
+            )
             raise
         finally:
             self.is_open = False

@@ -148,6 +148,12 @@ class SchedulerClient:
         """Sends a submit or resume on the session (a new one if the last ended)."""
         return self._current().open(command)
 
+    def drop_session(self, details: str) -> None:
+        """Ends the session to a scheduler found lost (see SchedulerSession.drop); the next
+        command opens a new one."""
+        if self._session is not None and self._session.is_open:
+            self._session.drop(details)
+
     async def stats(self, timeout_s: float = 1.0) -> scheduler_pb2.SchedulerStats | None:
         """The scheduler's GetStats, or None when it does not answer."""
         try:

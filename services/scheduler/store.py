@@ -169,7 +169,7 @@ class RedisStateStore:
         entry without a request, which recovery drops. Among several pipelines, an id
         another pipeline runs is refused (RequestExists), as a duplicate is on one."""
         if self.pipeline_id:
-            self._check_not_elsewhere(request.request_id)
+            self._check_not_elsewhere(request)
         pipe = self._pipeline_loading_script()
         pipe.zadd(self.index_key, {request.request_id: request.arrival_time})
         pipe.delete(tokens_key(request.request_id))
@@ -178,14 +178,29 @@ class RedisStateStore:
             pipe.rpush(tokens_key(request.request_id), *request.output_token_ids)
         self._execute_loading_script(pipe)
 
-    def _check_not_elsewhere(self, request_id: str) -> None:
-        state, owner = self._execute_one(lambda c: c.hmget(meta_key(request_id), "state", "owner"))
-        if state is None or RequestStatus(state.decode()).is_finished:
+    def _check_not_elsewhere(self, request: Request) -> None:
+        """Refuses an id running on another pipeline, and a submission that ran already
+        (its owner token): a scheduler stopped with a Submit unread reads it on waking, after
+        the router sent it again to another pipeline."""
+        request_id = request.request_id
+        state, owner, spec = self._execute_one(
+            lambda c: c.hmget(meta_key(request_id), "state", "owner", "spec")
+        )
+        if state is None:
             return
-        if (owner or b"").decode() != self.pipeline_id:
+        owner = (owner or b"").decode() or "(unnamed)"
+        if RequestStatus(state.decode()).is_finished:
+            token = request.owner_token
+            if token and json.loads(spec).get("owner_token") == token:
+                raise RequestExists(
+                    f"request id {request_id} ran already (this submission, on pipeline "
+                    f"{owner}): Resume it"
+                )
+            return
+        if owner != self.pipeline_id:
             raise RequestExists(
-                f"request id {request_id} is already in use on pipeline "
-                f"{(owner or b'').decode() or '(unnamed)'}: pick a unique id, or Resume it"
+                f"request id {request_id} is already in use on pipeline {owner}: pick a "
+                "unique id, or Resume it"
             )
 
     def apply(self, updates: list[RequestUpdate]) -> set[str]:

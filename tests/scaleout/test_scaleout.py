@@ -11,6 +11,8 @@ import os
 import random
 import signal
 import threading
+import time
+from pathlib import Path
 
 from services.common.proto.conveyor.v1 import common_pb2
 from tests.faults.utils import wait_until
@@ -144,6 +146,36 @@ def test_streams_of_a_stopped_pipeline_go_on_at_the_adopter(stack, prompts, refe
         # p0 adopted every request and its cache holds every prompt: prefix routing would
         # send the next tests' streams all there.
         wait_routed_to(stack, "prefix", stalled, prompts[0])
+
+
+def test_a_stopped_scheduler_that_wakes_never_runs_a_submit_sent_again_elsewhere(
+    stack, prompts, reference
+):
+    """p1's scheduler stops (SIGSTOP) idle; the round-robin router, which takes it for
+    SERVING for a few more health checks, sends it one of two Submits. Nobody reads it: the
+    router finds p1 lost and submits it again at p0, where both finish. When p1 wakes, the
+    stale Submit must not run there a second time, unstreamed (it did: the router's session
+    to the lost scheduler stayed open, holding the unread Submit)."""
+    stalled = stack.pipelines[1]
+    scheduler = stalled.procs["scheduler"]
+    queried = stalled.stats().num_prefix_queried_tokens
+    log = Path(stack.log.name)
+    resubmits = log.read_text().count("no scheduler took request")
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        outcomes = run_streams(stack.routers["round-robin"], prompts[:2], MAX_TOKENS)
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    check_greedy(outcomes, range(2), reference)
+    assert log.read_text().count("no scheduler took request") > resubmits, "p1 got no Submit"
+    wait_until(lambda: health(stalled.scheduler) == SERVING, 60, 0.5)
+    time.sleep(3)  # what p1 reads on waking, it reads at once
+    stats = stalled.stats()
+    assert stats.num_prefix_queried_tokens == queried, "p1 admitted the stale Submit"
+    assert stats.num_running + stats.num_waiting == 0
+    client = stack.redis.client()
+    wait_until(lambda: len(client.smembers("conveyor:pipelines")) == 2, 30)
+    wait_routed_to(stack, "prefix", stalled, prompts[0])
 
 
 def test_not_serving_pipeline_requests_are_adopted_with_exact_tokens(stack, prompts, reference):

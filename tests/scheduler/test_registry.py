@@ -152,3 +152,21 @@ def test_an_id_running_on_another_pipeline_is_refused(redis_url, client):
     p1.apply([RequestUpdate("a", RequestStatus.FINISHED_STOPPED)])
     p0.add(request("a"))  # finished there: the id is free again
     assert client.hget(meta_key("a"), "owner") == b"p0"
+
+
+def test_a_submission_that_ran_elsewhere_is_refused_when_it_comes_again(redis_url, client):
+    """A scheduler stopped with a Submit unread reads it on waking, after the router sent it
+    again to another pipeline, where it may have finished: the same submission (its owner
+    token) does not run twice. Another submission of the id may, once the first finished."""
+    from services.common.errors import RequestExists
+
+    p0 = RedisStateStore(redis_url, pipeline_id="p0")
+    p1 = RedisStateStore(redis_url, pipeline_id="p1")
+    submission = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), owner_token="t1")
+    p0.add(submission)
+    p0.apply([RequestUpdate("a", RequestStatus.FINISHED_LENGTH)])
+    with pytest.raises(RequestExists, match="ran already .* pipeline p0"):
+        p1.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=8), owner_token="t1"))
+    assert client.hget(meta_key("a"), "owner") == b"p0"
+    p1.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=8), owner_token="t2"))
+    assert client.hget(meta_key("a"), "owner") == b"p1"

@@ -23,7 +23,7 @@ from services.worker.config import WorkerConfig
 from services.worker.server import HUNG_EXIT
 from services.worker.sim import MODELS_DIR
 from services.worker.sim.profiles import load_profile
-from tests.worker.test_joined_plans import _open_run, _ready
+from tests.worker.test_joined_plans import _open_run, wait_ready
 
 MODEL_DIR = MODELS_DIR / "llama-3-8b"
 
@@ -42,11 +42,7 @@ def _start(tmp_path, hang_timeout_s: float) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "services.cli", *argv], stderr=subprocess.PIPE, text=True
     )
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not _ready(address):
-        assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "the worker did not become ready in 120 s"
-        time.sleep(0.3)
+    wait_ready(address, proc)
     return proc, address
 
 

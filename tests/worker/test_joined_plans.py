@@ -66,15 +66,20 @@ def worker():
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv])
     address = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not _ready(address):
-            assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the worker did not become ready in 120 s"
-            time.sleep(0.3)
+        wait_ready(address, proc)
         yield address
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def wait_ready(address: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the worker process `proc` at `address` has loaded its stage."""
+    deadline = time.monotonic() + timeout_s
+    while not _ready(address):
+        assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"the worker did not become ready in {timeout_s} s"
+        time.sleep(0.3)
 
 
 def _ready(address: str) -> bool:

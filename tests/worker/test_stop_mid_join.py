@@ -13,13 +13,12 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 
 from services.common.redis_server import free_port
 from services.worker.sim import MODELS_DIR
-from tests.worker.test_joined_plans import _open_run, _ready
+from tests.worker.test_joined_plans import _open_run, wait_ready
 
 MODEL_DIR = MODELS_DIR / "llama-3-8b"
 
@@ -42,11 +41,7 @@ def test_a_worker_stopped_while_joining_the_pipeline_exits_with_status_0():
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while not _ready(address):
-            assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the worker did not become ready in 120 s"
-            time.sleep(0.3)
+        wait_ready(address, proc)
         asyncio.run(_join_and_stop(address, proc))
         stderr = proc.stderr.read()
     finally:

@@ -123,3 +123,51 @@ def test_a_broken_session_leaves_no_task_sending_its_commands():
     code, left = asyncio.run(main())
     assert code is grpc.StatusCode.UNAVAILABLE
     assert left == []
+
+
+class SilentScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Reads every command and answers none (a scheduler the router will find lost)."""
+
+    def __init__(self):
+        self.commands = 0
+        self.cancelled = asyncio.Event()
+
+    async def Session(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+        context.add_done_callback(lambda _: self.cancelled.set())
+        async for _ in request_iterator:
+            self.commands += 1
+        await asyncio.sleep(3600)
+        yield scheduler_pb2.SessionResponse()
+
+
+def test_a_dropped_session_breaks_its_streams_unavailable_and_ends_the_call():
+    """Real gRPC on loopback. The router drops its session to a scheduler it finds lost: the
+    call ends (a stopped scheduler that wakes reads none of what it had not read), its
+    streams break with UNAVAILABLE, which the relay resumes elsewhere, and the next command
+    opens a new session."""
+
+    async def main():
+        servicer = SilentScheduler()
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        submit = scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(request_id="a"))
+        stream = client.open(submit)
+        while servicer.commands < 1:
+            await asyncio.sleep(0.01)
+        client.drop_session("pipeline p1 is lost")
+        with pytest.raises(grpc.aio.AioRpcError) as broken:
+            await asyncio.wait_for(stream.read(), 30)
+        await asyncio.wait_for(servicer.cancelled.wait(), 30)
+        client.open(submit)  # on a new session
+        while servicer.commands < 2:
+            await asyncio.sleep(0.01)
+        await client.close()
+        await server.stop(grace=0)
+        return broken.value
+
+    broken = asyncio.run(main())
+    assert broken.code() is grpc.StatusCode.UNAVAILABLE
+    assert "pipeline p1 is lost" in broken.details()

@@ -158,6 +158,8 @@ def test_a_stopped_scheduler_that_wakes_never_runs_a_submit_sent_again_elsewhere
     to the lost scheduler stayed open, holding the unread Submit)."""
     stalled = stack.pipelines[1]
     scheduler = stalled.procs["scheduler"]
+    # the round-robin router takes p1 for SERVING again since the last test stopped it
+    wait_routed_to(stack, "round-robin", stalled, prompts[0])
     queried = stalled.stats().num_prefix_queried_tokens
     log = Path(stack.log.name)
     resubmits = log.read_text().count("no scheduler took request")

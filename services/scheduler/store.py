@@ -169,7 +169,7 @@ class RedisStateStore:
         entry without a request, which recovery drops. Among several pipelines, an id
         another pipeline runs is refused (RequestExists), as a duplicate is on one."""
         if self.pipeline_id:
-            self._check_not_elsewhere(request)
+            self._check_id_free(request)
         pipe = self._pipeline_loading_script()
         pipe.zadd(self.index_key, {request.request_id: request.arrival_time})
         pipe.delete(tokens_key(request.request_id))
@@ -178,7 +178,7 @@ class RedisStateStore:
             pipe.rpush(tokens_key(request.request_id), *request.output_token_ids)
         self._execute_loading_script(pipe)
 
-    def _check_not_elsewhere(self, request: Request) -> None:
+    def _check_id_free(self, request: Request) -> None:
         """Refuses an id running on another pipeline, and a submission that ran already
         (its owner token): a scheduler stopped with a Submit unread reads it on waking, after
         the router sent it again to another pipeline."""

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ PLAN_WAIT_REPORTED = 0.02
 """Stage 0 tells the scheduler of a plan wait longer than this share of its previous step
 (shorter ones are noise to the scheduler's window, services/scheduler/lead.py)."""
 
-_session_threads: list[threading.Thread] = []
+_session_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 def session_threads_alive() -> bool:
@@ -179,8 +180,7 @@ class StageEngine:
             target=self._loop, args=(session,), name=f"stage{self.stage}", daemon=True
         )
         self._session = session
-        _session_threads[:] = [thread for thread in _session_threads if thread.is_alive()]
-        _session_threads.append(session.thread)
+        _session_threads.add(session.thread)
         session.thread.start()
 
     def between_steps(self, action: Callable[[], None]) -> None:

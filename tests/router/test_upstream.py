@@ -37,6 +37,15 @@ def test_a_move_without_tokens_stays_where_the_stream_is():
     assert (delta.offset, delta.token_ids, delta.finish_reason) == (2, [], None)
 
 
+async def _serve(add_servicer, servicer) -> tuple[grpc.aio.Server, str]:
+    """A gRPC server on loopback serving `servicer`, started; (server, its address)."""
+    server = grpc.aio.server()
+    add_servicer(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 class LateHealth(health_pb2_grpc.HealthServicer):
     """A scheduler's health service that answers `status` after `delay_s`."""
 
@@ -57,11 +66,8 @@ def test_a_late_health_answer_is_not_taken_for_a_scheduler_down():
 
     async def main():
         servicer = LateHealth()
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = SchedulerClient(f"127.0.0.1:{port}")
+        server, address = await _serve(health_pb2_grpc.add_HealthServicer_to_server, servicer)
+        client = SchedulerClient(address)
         verdicts = [await client.is_serving(0.2)]
         servicer.delay_s = 1.0
         verdicts += [await client.is_serving(0.05) for _ in range(MAX_LATE_HEALTH_CHECKS)]
@@ -101,11 +107,10 @@ def test_a_broken_session_leaves_no_task_sending_its_commands():
     dropped the session (ERROR lines in the router's log after every failover)."""
 
     async def main():
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(BreakingScheduler(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        server, address = await _serve(
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server, BreakingScheduler()
+        )
+        async with grpc.aio.insecure_channel(address) as channel:
             session = SchedulerSession(scheduler_pb2_grpc.SchedulerStub(channel), None)
             submit = scheduler_pb2.SubmitRequest(request_id="a")
             stream = session.open(scheduler_pb2.SessionRequest(submit=submit))
@@ -148,11 +153,8 @@ def test_a_dropped_session_breaks_its_streams_unavailable_and_ends_the_call():
 
     async def main():
         servicer = SilentScheduler()
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = SchedulerClient(f"127.0.0.1:{port}")
+        server, address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
+        client = SchedulerClient(address)
         submit = scheduler_pb2.SessionRequest(submit=scheduler_pb2.SubmitRequest(request_id="a"))
         stream = client.open(submit)
         while servicer.commands < 1:

@@ -91,6 +91,8 @@ class _Session:
     """Why the session cannot run plans any more (each later plan is answered with it)."""
     is_stale: bool = False
     """Set when the session ended; a thread still running it must leave the runner alone."""
+    joining: bool = True
+    """Its thread is still in the rendezvous (`transport.connect`), touching nothing else."""
     pending_tokens: dict[str, int] = field(default_factory=dict)
     """Stage 0, async: tokens from the last stage not yet used as a decode input."""
     sampling_ids: dict[int, list[str]] = field(default_factory=dict)
@@ -196,7 +198,10 @@ class StageEngine:
 
         A thread stuck waiting for a dead peer is abandoned: its wait fails when the
         peer's socket closes (or at the transport timeout), and it then finds itself
-        stale and exits without touching the runner, which the next session owns.
+        stale and exits without touching the runner, which the next session owns. A thread
+        still in the rendezvous is not waited for at all: it holds nothing of the runner's,
+        the next session joins under other keys, and a peer that died mid-rendezvous would
+        otherwise hold the next session up for the whole `join_timeout_s`.
         """
         session, self._session = self._session, None
         if session is None:
@@ -206,6 +211,9 @@ class StageEngine:
             while True:
                 session.plans.get_nowait()
         session.plans.put(None)
+        if session.joining:
+            logger.info("stage %d: leaving an ended session's rendezvous to its thread", self.stage)
+            return
         session.thread.join(join_timeout_s)
         if session.thread.is_alive():
             logger.warning("stage %d: abandoning a session stuck in a peer wait", self.stage)
@@ -220,6 +228,8 @@ class StageEngine:
                 return
             logger.exception("stage %d could not join the pipeline", self.stage)
             session.broken = f"{self.name} could not join the pipeline: {exc}"
+        finally:
+            session.joining = False
         with self._runner_lock:
             if not session.is_stale:
                 self.runner.requests.clear()  # a new session starts from no request

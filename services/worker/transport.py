@@ -216,30 +216,29 @@ class StageTransport:
         """Forms this session's group with every stage; blocks until all have joined.
 
         `epoch` (chosen by the scheduler per session) prefixes the rendezvous keys, so a
-        pipeline whose stage restarted forms a fresh group on the same store (hosted by
-        stage 0 for the life of its process; other stages reconnect each session, in case
-        stage 0 was the one restarted).
+        pipeline whose stage restarted forms a fresh group on the same store (served by
+        stage 0 for the life of its process). Every stage, stage 0 too, talks to it through
+        a connection of the session's own: a TCPStore client runs one operation at a time,
+        so an ended session's thread still waiting there for a stage that died mid-join
+        would otherwise hold the next session's rendezvous up until its timeout.
         """
         if self.num_ranks == 1:
             return PipelineLink(self.stage, self.num_stages, self.device, None)
         host, port = parse_addr(self._dist_addr, "--dist-addr")
-        if self.global_rank == 0:
-            if self._master_store is None:
-                self._listener = listen_socket(host, port)
-                self._master_store = dist.TCPStore(
-                    host,
-                    port,
-                    self.num_ranks,
-                    is_master=True,
-                    timeout=self._rendezvous_timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=self._listener.fileno() if self._listener else None,
-                )
-            store = self._master_store
-        else:
-            store = dist.TCPStore(
-                host, port, self.num_ranks, is_master=False, timeout=self._rendezvous_timeout
+        if self.global_rank == 0 and self._master_store is None:
+            self._listener = listen_socket(host, port)
+            self._master_store = dist.TCPStore(
+                host,
+                port,
+                self.num_ranks,
+                is_master=True,
+                timeout=self._rendezvous_timeout,
+                wait_for_workers=False,
+                master_listen_fd=self._listener.fileno() if self._listener else None,
             )
+        store = dist.TCPStore(
+            host, port, self.num_ranks, is_master=False, timeout=self._rendezvous_timeout
+        )
         prefix = dist.PrefixStore(session_prefix(epoch, self._secret), store)
         if self._secret is not None:
             prefix = SignedStore(prefix, self._secret.encode())

@@ -91,14 +91,14 @@ def _ready(address: str) -> bool:
             return False
 
 
-def _open_run(channel: grpc.aio.Channel):
-    """A Run session (raw plan bytes out, reports in) with a fresh epoch."""
+def _open_run(channel: grpc.aio.Channel, epoch: str | None = None):
+    """A Run session (raw plan bytes out, reports in) with `epoch`, else a fresh one."""
     run = channel.stream_stream(
         "/conveyor.v1.StageWorker/Run",
         request_serializer=None,
         response_deserializer=worker_pb2.StepReport.FromString,
     )
-    return run(metadata=(("conveyor-epoch", str(time.time_ns())),))
+    return run(metadata=(("conveyor-epoch", epoch or str(time.time_ns())),))
 
 
 async def _run(address: str, messages: list[bytes], num_reports: int) -> list:

@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 _RUN_METHOD = "/conveyor.v1.StageWorker/Run"
 SESSION_ACCEPT_TIMEOUT_S = 30.0
-"""How long a new session waits for every stage to take it (a stage still winding down the
-previous session takes it within moments; one busy with another scheduler's refuses after
-the worker's SESSION_WAIT_S)."""
+"""How long a new session waits for every stage to take it, i.e. for the stages to form the
+pipeline (a stage still winding down the previous session takes it within moments; one busy
+with another scheduler's refuses after the worker's SESSION_WAIT_S)."""
 
 
 @dataclass(slots=True)
@@ -238,23 +238,31 @@ class Pipeline:
 
     async def open(self) -> None:
         """Starts a session: one Run stream per stage, all with one fresh epoch. Returns once
-        every stage has taken it; raises PipelineUnavailable naming a stage that refused it
-        (another scheduler's session holds that stage) or did not answer in time."""
+        every stage has taken it (the stages formed the pipeline); raises PipelineUnavailable
+        naming a stage that refused it (another scheduler's session holds that stage, or it
+        could not join the pipeline) or the stages that did not answer in time."""
         await self.close()
         self.epoch = time.time_ns()
         metadata = self.security.with_metadata((("conveyor-epoch", str(self.epoch)),))
         self.reports = asyncio.Queue()
         self._calls = [run(metadata=metadata) for run in self._run]
+        accepted: set[int] = set()
+        every_stage = asyncio.gather(
+            *(self._accepted(i, call, accepted) for i, call in enumerate(self._calls))
+        )
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(self._accepted(i, call) for i, call in enumerate(self._calls))),
-                SESSION_ACCEPT_TIMEOUT_S,
-            )
+            await asyncio.wait_for(every_stage, SESSION_ACCEPT_TIMEOUT_S)
         except BaseException as exc:
+            if every_stage.done() and not every_stage.cancelled():
+                every_stage.exception()  # seen (a shutdown cancels the calls and this task)
+            waiting = [self._name(i) for i in range(len(self._calls)) if i not in accepted]
             await self.close()
             if isinstance(exc, TimeoutError):
                 raise PipelineUnavailable(
-                    f"a stage did not take the session within {SESSION_ACCEPT_TIMEOUT_S:.0f} s"
+                    f"{', '.join(waiting)} did not join the pipeline within "
+                    f"{SESSION_ACCEPT_TIMEOUT_S:.0f} s: every stage must reach stage 0's "
+                    "--dist-addr and the other stages' gloo ports (their logs say more), and "
+                    "answer (not stopped)"
                 ) from None
             raise
         reporter = len(self._calls) - self.tp_size  # the last stage's tp rank 0
@@ -270,9 +278,11 @@ class Pipeline:
             for index, (call, outbox) in enumerate(zip(self._calls, self._outboxes, strict=True))
         ]
 
-    async def _accepted(self, index: int, call) -> None:
-        """Returns once worker `index` took the session (its Run's initial metadata)."""
+    async def _accepted(self, index: int, call, accepted: set[int]) -> None:
+        """Returns once worker `index` took the session (its Run's initial metadata: the
+        worker sends it once the stages formed the pipeline), adding `index` to `accepted`."""
         if SESSION_ACCEPTED in (await call.initial_metadata() or ()):
+            accepted.add(index)
             return
         code, details = await call.code(), await call.details()
         raise PipelineUnavailable(

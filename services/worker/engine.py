@@ -85,6 +85,7 @@ class _Session:
     plans: queue.Queue
     on_outcome: Callable[[StepOutcome], None]
     epoch: int
+    on_joined: Callable[[str | None], None] | None = None
     thread: threading.Thread | None = None
     link: Link | None = None
     broken: str | None = None
@@ -172,12 +173,18 @@ class StageEngine:
             return f"stage {self.stage}"
         return f"stage {self.stage} tp rank {self.transport.tp_rank}"
 
-    def start(self, on_outcome: Callable[[StepOutcome], None], epoch: int = 0) -> None:
+    def start(
+        self,
+        on_outcome: Callable[[StepOutcome], None],
+        epoch: int = 0,
+        on_joined: Callable[[str | None], None] | None = None,
+    ) -> None:
         """Starts a session: joins the pipeline group (rendezvous keys of `epoch`) on a
-        fresh compute thread. A previous session is stopped first."""
+        fresh compute thread, which then calls `on_joined` with None, or with why it could
+        not join. A previous session is stopped first."""
         if self._session is not None:
             self.stop()
-        session = _Session(queue.Queue(), on_outcome, epoch)
+        session = _Session(queue.Queue(), on_outcome, epoch, on_joined)
         session.thread = threading.Thread(
             target=self._loop, args=(session,), name=f"stage{self.stage}", daemon=True
         )
@@ -237,6 +244,8 @@ class StageEngine:
                 if tp is not None and session.link is not None:
                     # the stage's collectives run on this session's group from now on
                     tp.group = getattr(session.link, "tp_group", None)
+        if session.on_joined is not None:
+            session.on_joined(session.broken)
         while True:
             item = session.plans.get()
             if item is None or session.is_stale:

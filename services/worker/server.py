@@ -190,21 +190,32 @@ class StageWorkerServicer(worker_pb2_grpc.StageWorkerServicer):
                 if reports_tokens or outcome.error or (reports_waits and outcome.plan_wait_ns):
                     loop.call_soon_threadsafe(reports.put_nowait, outcome)
 
+            joined: asyncio.Future = loop.create_future()
+
+            def on_joined(error: str | None) -> None:
+                loop.call_soon_threadsafe(lambda: joined.done() or joined.set_result(error))
+
             metadata = dict(context.invocation_metadata() or ())
             epoch = int(metadata.get("conveyor-epoch", "0"))
-            self.engine.start(on_outcome, epoch)
+            self.engine.start(on_outcome, epoch, on_joined)
             if self.recorder is not None:
                 self.recorder.session_started()
-            # The scheduler reports SERVING only once every stage has said this.
-            await context.send_initial_metadata(((SESSION_ACCEPTED, "1"),))
-            reader = asyncio.create_task(self._read_plans(request_iterator, reports))
+            reader = None
             try:
+                # Once the stages formed the pipeline (the rendezvous ended), this stage says
+                # it took the session: the scheduler reports SERVING only once every stage
+                # has. A stage that cannot join ends the session, saying why.
+                if (error := await joined) is not None:
+                    raise PipelineUnavailable(error)
+                await context.send_initial_metadata(((SESSION_ACCEPTED, "1"),))
+                reader = asyncio.create_task(self._read_plans(request_iterator, reports))
                 # One await per report: the loop thread holds the GIL briefly, and the compute
                 # thread (which hands reports over between steps) gets it back sooner.
                 while (outcome := await reports.get()) is not None:
                     yield outcome_to_pb(outcome, self.stage)
             finally:
-                reader.cancel()
+                if reader is not None:
+                    reader.cancel()
                 await asyncio.shield(asyncio.to_thread(self.engine.stop))
                 if observer is not None:
                     observer.reset()

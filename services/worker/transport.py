@@ -224,6 +224,15 @@ class StageTransport:
         """
         if self.num_ranks == 1:
             return PipelineLink(self.stage, self.num_stages, self.device, None)
+        logger.info(
+            "stage %d/%d tp rank %d/%d joining the pipeline at %s (epoch %d)",
+            self.stage,
+            self.num_stages,
+            self.tp_rank,
+            self.tp_size,
+            self._dist_addr,
+            epoch,
+        )
         host, port = parse_addr(self._dist_addr, "--dist-addr")
         if self.global_rank == 0 and self._master_store is None:
             self._listener = listen_socket(host, port)
@@ -242,15 +251,6 @@ class StageTransport:
         prefix = dist.PrefixStore(session_prefix(epoch, self._secret), store)
         if self._secret is not None:
             prefix = SignedStore(prefix, self._secret.encode())
-        logger.info(
-            "stage %d/%d tp rank %d/%d joining the pipeline at %s (epoch %d)",
-            self.stage,
-            self.num_stages,
-            self.tp_rank,
-            self.tp_size,
-            self._dist_addr,
-            epoch,
-        )
         group = self._group(prefix, self.global_rank, self.num_ranks)
         tp_group = None
         if self.tp_size > 1:  # the stage's own group: its all-reduces never wait on others

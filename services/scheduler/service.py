@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 RECOVER_RETRY_S = (1.0, 5.0)
 """First and longest wait between tries to read the request state from Redis at start."""
+OPEN_RETRY_S = (0.5, 8.0)
+"""First and longest wait between tries to open a session the stages did not take: each try
+leaves a thread per stage in a rendezvous that cannot end (up to gloo's op timeout, 120 s)
+where the stages cannot meet."""
 HUNG_RECHECK_S = 1.0
 """Past --step-timeout the loop waits this much more for a report before it calls a stage
 hung: a scheduler that was itself paused has its reports still unread in the sockets."""
@@ -793,7 +797,7 @@ class SchedulerService:
     async def _open_session(self) -> None:
         """Opens a session that every stage took; until then health stays NOT_SERVING, and a
         refusal (a stage another scheduler's session holds) is retried from Describe on."""
-        last_problem = None
+        last_problem, delay_s = None, OPEN_RETRY_S[0]
         while True:
             try:
                 await self.pipeline.open()
@@ -804,7 +808,8 @@ class SchedulerService:
                     logger.error("%s; retrying", problem)
                     last_problem = problem
                 self._update_health(problem)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, OPEN_RETRY_S[1])
                 await self._wait_for_stages()
         self._inflight = 0
         self._held_ns = 0

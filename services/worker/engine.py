@@ -230,8 +230,8 @@ class StageEngine:
         try:
             session.link = self.transport.connect(session.epoch)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler
-            if session.is_stale:  # ended while joining (e.g. the stages stopping): no fault
-                logger.info("stage %d: an ended session's join failed: %s", self.stage, exc)
+            if session.is_stale:  # ended while joining: a stage died, or none could meet
+                logger.warning("stage %d: an ended session's join failed: %s", self.stage, exc)
                 return
             logger.exception("stage %d could not join the pipeline", self.stage)
             session.broken = f"{self.name} could not join the pipeline: {exc}"
@@ -244,7 +244,7 @@ class StageEngine:
                 if tp is not None and session.link is not None:
                     # the stage's collectives run on this session's group from now on
                     tp.group = getattr(session.link, "tp_group", None)
-        if session.on_joined is not None:
+        if session.on_joined is not None and not session.is_stale:  # else nobody waits
             session.on_joined(session.broken)
         while True:
             item = session.plans.get()

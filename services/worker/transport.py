@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import logging
 import socket
+import threading
 from collections import deque
 from typing import Protocol
 
@@ -192,6 +193,7 @@ class StageTransport:
         self._rendezvous_timeout = datetime.timedelta(seconds=rendezvous_timeout_s)
         self._op_timeout = datetime.timedelta(seconds=op_timeout_s)
         self._master_store: dist.TCPStore | None = None
+        self._master_lock = threading.Lock()
         self._listener: socket.socket | None = None  # kept open: the store serves on it
         self._bind_host = listen_socket_host(bind_host) if bind_host else None
         self._secret = secret
@@ -234,17 +236,18 @@ class StageTransport:
             epoch,
         )
         host, port = parse_addr(self._dist_addr, "--dist-addr")
-        if self.global_rank == 0 and self._master_store is None:
-            self._listener = listen_socket(host, port)
-            self._master_store = dist.TCPStore(
-                host,
-                port,
-                self.num_ranks,
-                is_master=True,
-                timeout=self._rendezvous_timeout,
-                wait_for_workers=False,
-                master_listen_fd=self._listener.fileno() if self._listener else None,
-            )
+        with self._master_lock:  # an ended session's thread may still be joining
+            if self.global_rank == 0 and self._master_store is None:
+                self._listener = listen_socket(host, port)
+                self._master_store = dist.TCPStore(
+                    host,
+                    port,
+                    self.num_ranks,
+                    is_master=True,
+                    timeout=self._rendezvous_timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=self._listener.fileno() if self._listener else None,
+                )
         store = dist.TCPStore(
             host, port, self.num_ranks, is_master=False, timeout=self._rendezvous_timeout
         )
@@ -256,8 +259,19 @@ class StageTransport:
         if self.tp_size > 1:  # the stage's own group: its all-reduces never wait on others
             tp_store = dist.PrefixStore(f"tp/{self.stage}", prefix)
             tp_group = self._group(tp_store, self.tp_rank, self.tp_size)
+        # Every rank has come before this one says it joined: gloo's group meets in its
+        # constructor, NCCL's only at its first transfer.
+        prefix.set(f"met/{self.global_rank}", b"1")
+        prefix.wait([f"met/{rank}" for rank in range(self.num_ranks)])
         return PipelineLink(
-            self.stage, self.num_stages, self.device, group, self.tp_rank, self.tp_size, tp_group
+            self.stage,
+            self.num_stages,
+            self.device,
+            group,
+            self.tp_rank,
+            self.tp_size,
+            tp_group,
+            store=prefix,
         )
 
     def _group(self, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
@@ -291,11 +305,16 @@ class PipelineLink:
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group=None,
+        store: dist.Store | None = None,
     ):
+        """`store`: the session's rendezvous store, kept for as long as the link lives (NCCL
+        reads it at the first transfer, and a store written in Python, `SignedStore`, loses
+        its methods when nothing in Python holds it any more)."""
         self.stage, self.num_stages, self.device = stage, num_stages, device
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._group = group
         self.tp_group = tp_group
+        self.store = store
         self._pending: deque = deque()
 
     def _rank_of(self, stage: int) -> int:

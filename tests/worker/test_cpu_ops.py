@@ -40,6 +40,36 @@ def test_small_linear_bfloat16_weights_widen_exactly():
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_features", [576, 1536, 577])
+def test_small_linear_bfloat16_dot_equals_the_widening_path(rows, in_features):
+    """Where the CPU has AVX512-BF16, bfloat16 x and weights take `vdpbf16ps`: each product
+    exact in float32 as in the widening path, only the order of the sums differs. Both
+    paths within float32 rounding of the float32 matmul (before the bfloat16 output's
+    rounding), with bias and scale; the dot is off where the CPU lacks it. (577: the tails of
+    the 128- and 32-wide loops.)"""
+    kernels = cpu_ops.load_kernels()
+    gen = torch.Generator().manual_seed(rows * in_features)
+    weight = torch.randn(200, in_features, generator=gen).bfloat16()
+    bias = torch.randn(200, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    outputs = {}
+    try:
+        for enabled in (True, False):
+            if kernels.use_bf16_dot(enabled) != enabled:
+                continue  # no AVX512-BF16 here: only the widening path runs
+            outputs[enabled] = cpu_ops.small_linear(x, weight, bias=bias)
+    finally:
+        kernels.use_bf16_dot(True)
+    for out in outputs.values():
+        assert out.dtype == torch.bfloat16
+        # one bfloat16 rounding of the float32 result (2^-8 relative) and float32 sums
+        torch.testing.assert_close(out.float(), expected, atol=1e-3, rtol=2**-8)
+    if len(outputs) == 2:  # the rounded outputs agree but for the rare sum near a tie
+        assert (outputs[True] != outputs[False]).float().mean() < 0.05
+
+
 @pytest.mark.parametrize(("rows", "in_features"), [(1, 64), (4, 64), (2, 577), (1, 9000)])
 def test_small_linear_int8_applies_the_channel_scale(rows, in_features):
     gen = torch.Generator().manual_seed(rows)

@@ -105,6 +105,55 @@ def test_packed_linear_keep_plain_agrees_on_both_paths(rows):
     assert PackedLinear(weight, b).weight is None  # without keep_plain: one copy only
 
 
+AMX_BF16 = cpu_ops.available() and cpu_ops.bf16_pack_amx(torch.zeros(1, 1).bfloat16()) is not None
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="this CPU has no AMX-BF16")
+def test_small_linear_bfloat16_on_amx_tiles_equals_the_matmul_in_any_batch():
+    """bf16_pack_amx's copy: 5 to 512 rows on AMX tiles, within a bfloat16 rounding of the
+    float32 matmul, with bias; each row the same bits alone (in 5 rows) and in any batch
+    (N and K not multiples of the tiles' 32: the padding adds nothing)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 577, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    x = torch.randn(512, 577, generator=gen).bfloat16()
+    packed = cpu_ops.bf16_pack_amx(weight)
+    out = cpu_ops.small_linear(x, weight, bias=bias, packed=packed)
+    assert out.dtype == torch.bfloat16 and out.shape == (512, 300)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, atol=1e-3, rtol=2**-8)
+    for rows in (5, 17, 64, 100):
+        assert torch.equal(
+            cpu_ops.small_linear(x[:rows], weight, bias=bias, packed=packed), out[:rows]
+        )
+    assert torch.equal(
+        cpu_ops.small_linear(x[200:205], weight, bias=bias, packed=packed), out[200:205]
+    )
+    with pytest.raises(RuntimeError, match="up to 512 with bf16_pack_amx"):
+        cpu_ops.small_linear(torch.cat([x, x[:1]]), weight, packed=packed)
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 4, 5, 64, 512, 600])
+def test_packed_linear_bfloat16_holds_the_amx_copy_instead_of_onednns(rows):
+    """With the kernels on, a bfloat16 layer keeps the plain weight and the AMX copy (two
+    copies, as with oneDNN's): 1-4 rows on the dot, 5-512 on the tiles, more on torch's
+    matmul; the same values either way, as the fused layer loop's `direct` gives them."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, b = (
+        torch.randn(96, 64, generator=gen).bfloat16(),
+        torch.randn(96, generator=gen).bfloat16(),
+    )
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    layer = PackedLinear(weight, b, keep_plain=True)
+    assert layer.amx_weight is not None and layer.packed_weight is None
+    assert layer.weight is not None and "amx-bf16" in repr(layer)
+    expected = F.linear(x.float(), weight.float(), b.float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=1e-2, rtol=2**-7)
+    assert torch.equal(layer.direct()(x), layer(x))
+    assert PackedLinear(weight, b).amx_weight is None  # without the kernels: oneDNN's copy
+
+
 def test_quant_linear_int8_small_batch_equals_the_int8_kernel():
     gen = torch.Generator().manual_seed(3)
     layer = QuantLinear("int8", torch.randn(256, 128, generator=gen), None)

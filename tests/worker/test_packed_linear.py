@@ -47,6 +47,7 @@ def test_a_dtype_onednn_cannot_pack_keeps_the_plain_weight(monkeypatch, keep_pla
     from services.worker.model import cpu_ops, packed_linear
 
     monkeypatch.setattr(packed_linear, "onednn_supported", lambda device, dtype: False)
+    monkeypatch.setattr(cpu_ops, "bf16_pack_amx", lambda weight: None)  # nor AMX there
     monkeypatch.setattr(packed_linear, "_UPCAST_CHUNK_BYTES", 4 * 40 * chunk_rows)
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(96, 40, generator=gen).bfloat16(), torch.randn(96).bfloat16()

@@ -30,6 +30,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 MAX_ROWS = 4
 """Rows up to which `small_linear` serves a matmul (the C++ kernel's kMaxRows): from ~4
 rows on, oneDNN's register tiling pays more than streaming saves (measured, same page)."""
+AMX_BF16_MAX_ROWS = 512
+"""Rows up to which `small_linear` serves a bfloat16 matmul given `bf16_pack_amx`'s copy (the
+C++ kernel's kAmxBf16MaxRows: the CPU's default 512-token steps); oneDNN beyond (its tiling
+for long prefills wins there, docs/performance.md)."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
@@ -85,7 +89,10 @@ def small_linear(
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (* scale [N]) (+ bias [N]) -> [M, N] in x's dtype.
 
-    Float32 and bfloat16 weights: computed in float32, M <= MAX_ROWS. int8 weights: any M,
+    Float32 and bfloat16 weights: computed in float32, M <= MAX_ROWS (bfloat16 x and
+    weights on AVX512-BF16's dot where the CPU has it); with `packed`
+    (`bf16_pack_amx(weight)`) bfloat16 ones up to AMX_BF16_MAX_ROWS rows on AMX tiles, each
+    row's result the same in any batch of MAX_ROWS + 1 rows and more. int8 weights: any M,
     activations rounded to int16 per row, exact integer dots (bit-identical for every batch
     size and instruction set); `packed` (`int8_pack_amx(weight)`) lets batches of 4 rows
     and more run them on AMX.
@@ -99,6 +106,15 @@ def int8_pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or not available():
         return None
     return load_kernels().int8_pack_amx(weight)
+
+
+def bf16_pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of bfloat16 weights [N, K] that `small_linear`'s AMX-BF16 path reads (as
+    many bytes, N and K padded to 32), for matmuls of MAX_ROWS + 1 to AMX_BF16_MAX_ROWS rows;
+    None where the CPU has no AMX-BF16 (or no kernel)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not available():
+        return None
+    return load_kernels().bf16_pack_amx(weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

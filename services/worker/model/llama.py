@@ -231,11 +231,13 @@ class StageModel(nn.Module):
             self.lm_head_weight = None  # the embedding keeps its own weight when tied
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         onednn = sum(m.packed_weight is not None for m in linears)
+        amx = sum(m.amx_weight is not None for m in linears)
         logger.info(
-            "stage %d: %d matmuls on oneDNN, %d on plain weights",
+            "stage %d: %d matmuls on oneDNN, %d on AMX-BF16 tiles, %d on plain weights",
             self.stage.stage_index,
             onednn,
-            len(linears) - onednn,
+            amx,
+            len(linears) - onednn - amx,
         )
 
     def use_fused_cpu_ops(self) -> bool:

@@ -16,6 +16,12 @@ beside it for `cpu_ops.small_linear`, which serves the matmuls of 1-4 rows (a de
 one or a few requests) closer to the memory bandwidth than oneDNN (model/cpu_ops.py); the
 weights then take twice their memory.
 
+On CPUs with AMX-BF16 (Sapphire Rapids on), a bfloat16 `PackedLinear` with `keep_plain`
+holds `cpu_ops.bf16_pack_amx`'s copy instead of oneDNN's: matmuls of 5 to 512 rows (decode
+batches, the CPU's default 512-token prefill steps) run on the C++ kernel's AMX tiles, in
+0.85-0.9x the decode step's time of oneDNN's packed GEMM, and longer ones on torch's matmul
+over the plain weight (oneDNN without the repacking, as fast there); still two copies.
+
 Where oneDNN cannot pack the dtype (bfloat16 on a CPU without AVX-512: `onednn_supported`),
 a `PackedLinear` keeps the plain weight only: `small_linear` serves 1-4 rows and
 `plain_linear` the rest (bfloat16 widened to float32). Before, such a stage ran every matmul through `F.linear` (on an AVX2 EPYC a
@@ -28,6 +34,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model import cpu_ops
@@ -90,37 +97,56 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
         onednn = onednn_supported(weight.device, weight.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
+        self.small_batch = keep_plain and weight.dtype in _ONEDNN_DTYPES and cpu_ops.available()
+        amx = cpu_ops.bf16_pack_amx(weight) if self.small_batch else None
+        self.register_buffer("amx_weight", amx, persistent=False)
+        packed = None
+        if onednn and amx is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
         plain = keep_plain or not onednn
         self.register_buffer("weight", weight if plain else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.small_batch = keep_plain and weight.dtype in _ONEDNN_DTYPES and cpu_ops.available()
+        # beyond the kernels' rows: torch's matmul on the plain weight (oneDNN, bf16 on AMX)
+        self._unpacked = F.linear if onednn else plain_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.small_batch and cpu_ops.serves(x, self.weight):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if self.small_batch and self.amx_weight is not None and rows <= cpu_ops.AMX_BF16_MAX_ROWS:
+            return cpu_ops.small_linear(x, self.weight, bias=self.bias, packed=self.amx_weight)
         if self.packed_weight is None:
-            return plain_linear(x, self.weight, self.bias)
+            return self._unpacked(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
-        fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch."""
-        weight, packed, bias = self.weight, self.packed_weight, self.bias
-        onednn = torch.ops.mkldnn._linear_pointwise
+        fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch.
+        1-4 rows (MAX_ROWS) on `small_linear` over the plain weight; with an AMX-BF16 copy,
+        up to AMX_BF16_MAX_ROWS rows on its tiles and more on the plain weight; else
+        oneDNN's packed weight."""
+        weight, packed, amx, bias = self.weight, self.packed_weight, self.amx_weight, self.bias
+        onednn, unpacked = torch.ops.mkldnn._linear_pointwise, self._unpacked
+        small_rows, amx_rows = cpu_ops.MAX_ROWS, cpu_ops.AMX_BF16_MAX_ROWS
 
         def linear(x: torch.Tensor) -> torch.Tensor:
-            if self.small_batch and x.shape[0] <= cpu_ops.MAX_ROWS:
-                return cpu_ops.small_linear(x, weight, bias=bias)
+            if self.small_batch:
+                rows = x.shape[0]
+                if rows <= small_rows or (amx is not None and rows <= amx_rows):
+                    return cpu_ops.small_linear(x, weight, bias=bias, packed=amx)
             if packed is None:
-                return plain_linear(x, weight, bias)
+                return unpacked(x, weight, bias)
             return onednn(x, packed, bias, "none", [], "")
 
         return linear
 
     def extra_repr(self) -> str:
-        layout = "onednn" if self.packed_weight is not None else "plain"
+        layout = "plain"
+        if self.amx_weight is not None:
+            layout = "amx-bf16"
+        elif self.packed_weight is not None:
+            layout = "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
 
 

@@ -271,15 +271,31 @@ bool has_avx2() {
 #define CONVEYOR_AMX 1
 #endif
 
+#ifdef CONVEYOR_AMX
+// Whether CPUID leaf 7 sets all of EDX's `bits` and Linux lends this process the tiles.
+bool amx_with(unsigned bits) {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || (edx & bits) != bits) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm,
+                                        kXfeatureXtiledata) == 0;
+  return permitted;
+}
+#endif
+
 bool has_amx() {
 #ifdef CONVEYOR_AMX
-  static const bool supported = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!has_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+  static const bool supported = has_vnni() && amx_with((1u << 24) | (1u << 25));
+  return supported;
+#else
+  return false;
+#endif
+}
+
+// AMX-BF16 (EDX bit 22) beside AMX-TILE, and AVX512-BF16 (the outputs' rounding).
+bool has_amx_bf16() {
+#if defined(CONVEYOR_AMX) && defined(CONVEYOR_BF16_DOT)
+  static const bool supported = has_bf16_dot() && amx_with((1u << 22) | (1u << 24));
   return supported;
 #else
   return false;
@@ -706,6 +722,101 @@ void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
   });
 }
 
+// ---- AMX-BF16: bfloat16 matmuls of kMaxRows + 1 to kAmxBf16MaxRows rows (decode batches
+// and the default 512-token prefill steps) on the tile unit, where oneDNN's packed GEMM
+// took 1.1-1.5x the time at 8-128 rows (SmolLM2's decode matmuls, cold weights,
+// docs/performance.md "bfloat16 on AMX tiles"). `tdpbf16ps` multiplies 16 rows x 32 k of x
+// by 32 k x 16 columns of weights into float32 sums, each product exact; a row's sums never
+// depend on the other rows, so a request's result is the same in any batch of this range.
+// Weights are repacked once, at load (`bf16_pack_amx`), in the layout a B tile takes: for
+// output channels [16 c, 16 c + 16) and k block kb (32 k), 16 rows of 64 bytes, row r
+// holding k = 32 kb + 2 r and + 1 of each channel; the two column blocks of a pair sit
+// together per kb: [N32 / 32, K32 / 32, 2, 16, 32] bfloat16 (zero padded). x is read in
+// place (its rows padded to 32 and K to 32 in a copy where needed): an A tile is 16 rows of
+// x at their own stride. Tiles 0-3: the sums of 2 row blocks x 2 column blocks; 4, 5: x;
+// 6, 7: weights.
+constexpr int64_t kAmxBf16MaxRows = 512;
+constexpr int64_t kAmxBf16Ahead = 2;  // k blocks (4 KiB of a pair's weights) asked for ahead
+
+#if defined(CONVEYOR_AMX) && defined(CONVEYOR_BF16_DOT)
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_configure() {
+  _tile_loadconfig(&kTileConfig);
+}
+
+// c [32, 32] float32 = 32 rows of x (row stride Kp) . a column pair's Kb k blocks (b); the
+// first pass over a pair asks for its weights ahead (later ones find them in cache).
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_dots(const uint16_t* x, int64_t Kp,
+                                                                 const uint16_t* b, int64_t Kb,
+                                                                 float* c, bool ask_ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < Kb; ++kb) {
+    if (ask_ahead) {
+      const char* ahead = reinterpret_cast<const char*>(b + (kb + kAmxBf16Ahead) * 1024);
+      for (int64_t line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    }
+    _tile_loadd(4, x + kb * 32, Kp * 2);
+    _tile_loadd(6, b + kb * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x + 16 * Kp + kb * 32, Kp * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 512, 128);
+  _tile_stored(3, c + 528, 128);
+}
+
+// out [rows, cols] (row stride N) = c * scale + bias, rounded to bfloat16 as torch rounds.
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) void amx_bf16_store(
+    const float* c, int64_t rows, int64_t cols, const float* scale, const float* bias,
+    at::BFloat16* out, int64_t N) {
+  alignas(64) float s[32], b[32];
+  for (int64_t j = 0; j < 32; ++j) {
+    s[j] = scale && j < cols ? scale[j] : 1.f;
+    b[j] = bias && j < cols ? bias[j] : 0.f;
+  }
+  const __mmask16 lo_mask = cols >= 16 ? 0xffff : (1u << cols) - 1;
+  const __mmask16 hi_mask = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_fmadd_ps(_mm512_load_ps(c + r * 32), _mm512_load_ps(s),
+                                      _mm512_load_ps(b));
+    const __m512 hi = _mm512_fmadd_ps(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(s + 16),
+                                      _mm512_load_ps(b + 16));
+    _mm256_mask_storeu_epi16(out + r * N, lo_mask, (__m256i)_mm512_cvtneps_pbh(lo));
+    _mm256_mask_storeu_epi16(out + r * N + 16, hi_mask, (__m256i)_mm512_cvtneps_pbh(hi));
+  }
+}
+#endif
+
+// out [M, N] = x [M, Kp] (rows padded to 32) . the packed weights, for the column pairs
+// [begin, end): each pair's weights (Kb x 2 KiB) stay in cache across x's row pairs.
+void amx_bf16_rows(int64_t M, const uint16_t* x, int64_t Kp, const uint16_t* packed,
+                   const float* scale, const float* bias, at::BFloat16* out, int64_t N,
+                   int64_t begin, int64_t end) {
+#if defined(CONVEYOR_AMX) && defined(CONVEYOR_BF16_DOT)
+  alignas(64) float c[32 * 32];
+  const int64_t Kb = Kp / 32;
+  amx_bf16_configure();  // per thread: the tile configuration is thread state
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t n = p * 32;
+    for (int64_t r = 0; r < M; r += 32) {
+      amx_bf16_dots(x + r * Kp, Kp, packed + p * Kb * 1024, Kb, c, r == 0);
+      amx_bf16_store(c, std::min<int64_t>(32, M - r), std::min<int64_t>(32, N - n),
+                     scale ? scale + n : nullptr, bias ? bias + n : nullptr, out + r * N + n, N);
+    }
+  }
+  amx_release();
+#else
+  TORCH_CHECK(false, "amx_bf16_rows: built without AMX-BF16");
+#endif
+}
+
 }  // namespace
 
 // The AMX copy of int8 weights [N, K] (layout above), or an undefined tensor where this
@@ -728,6 +839,26 @@ torch::Tensor int8_pack_amx(const torch::Tensor& weight) {
   return packed;
 }
 
+// The AMX-BF16 copy of bfloat16 weights [N, K] (layout above), or an undefined tensor where
+// this CPU has no AMX-BF16.
+torch::Tensor bf16_pack_amx(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && !weight.is_cuda(),
+              "bf16_pack_amx: bfloat16 CPU weights [N, K] expected");
+  if (!has_amx_bf16()) return {};
+  const torch::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kb = round_up(K, 32) / 32;
+  auto packed = torch::zeros({round_up(N, 32) / 32, Kb, 2, 16, 32}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k)  // pair n / 32, block k / 32, half n / 16 % 2, row k % 32 / 2
+        dst[(((n / 32 * Kb + k / 32) * 2 + n / 16 % 2) * 16 + k % 32 / 2) * 32 + n % 16 * 2 +
+            k % 2] = src[n * K + k];
+  });
+  return packed;
+}
+
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
                            const c10::optional<torch::Tensor>& scale,
                            const c10::optional<torch::Tensor>& bias,
@@ -735,8 +866,12 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
   const bool int8 = weight.scalar_type() == at::kChar;
-  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8), "small_linear: 1 to ",
-              kMaxRows, " rows (any number for int8 weights), got ", x.size(0));
+  const bool amx_bf16 = weight.scalar_type() == at::kBFloat16 && packed.has_value() &&
+                        packed->defined() && x.size(0) > kMaxRows;
+  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= kMaxRows || int8 ||
+                                 (amx_bf16 && x.size(0) <= kAmxBf16MaxRows)),
+              "small_linear: 1 to ", kMaxRows, " rows (any number for int8 weights, up to ",
+              kAmxBf16MaxRows, " with bf16_pack_amx's copy of bfloat16 ones), got ", x.size(0));
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   weight.is_contiguous(),
               "small_linear: float32 or bfloat16 x and a contiguous weight");
@@ -771,6 +906,25 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     else
       int8_linear(M, xc.data_ptr<at::BFloat16>(), weight.data_ptr<int8_t>(), packed_ptr,
                   scale_ptr, bias_ptr, out.data_ptr<at::BFloat16>(), K, N);
+    return out;
+  }
+  if (amx_bf16) {  // bfloat16 x [M, K] -> out [M, N] bfloat16, on the tile unit
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed->scalar_type() == at::kBFloat16 &&
+                    packed->is_contiguous() && packed->numel() == round_up(N, 32) * round_up(K, 32),
+                "small_linear: packed must be bf16_pack_amx(weight), x bfloat16");
+    const int64_t Kp = round_up(K, 32), Mp = round_up(M, 32);
+    torch::Tensor xa = x.contiguous();
+    if (Mp != M || Kp != K) {  // zero rows and k add nothing
+      xa = torch::zeros({Mp, Kp}, x.options());
+      xa.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+    }
+    auto out = torch::empty({M, N}, x.options());
+    const auto* xp = reinterpret_cast<const uint16_t*>(xa.data_ptr());
+    const auto* bp = reinterpret_cast<const uint16_t*>(packed->data_ptr());
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    at::parallel_for(0, round_up(N, 32) / 32, 1, [&](int64_t begin, int64_t end) {
+      amx_bf16_rows(M, xp, Kp, bp, scale_ptr, bias_ptr, op, N, begin, end);
+    });
     return out;
   }
 #ifdef CONVEYOR_BF16_DOT
@@ -1573,6 +1727,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x @ W.T * scale + bias for 1-4 rows (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("scale") = py::none(),
         py::arg("bias") = py::none(), py::arg("packed") = py::none(), kNoGil);
+  m.def("bf16_pack_amx", &bf16_pack_amx,
+        "the AMX-BF16 copy of bfloat16 weights [N, K] for small_linear's packed (batches of "
+        "5 to 512 rows); None where the CPU has no AMX-BF16");
   m.def("int8_pack_amx", &int8_pack_amx,
         "the AMX (VNNI-4) copy of int8 weights [N, K] for small_linear's packed; None "
         "without AMX-INT8");

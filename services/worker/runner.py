@@ -114,7 +114,8 @@ class StageRunner:
         self.timing = StepTiming()
         self.last_timing = StepTiming()
         self.last_logits: torch.Tensor | None = None
-        """[N, V] float32 logits of the rows sampled in the last step (last stage only)."""
+        """[N, V] logits of the rows sampled in the last step (last stage only): float32, or
+        the model's dtype when every row was plain greedy (`compute_logits`)."""
 
     @property
     def device_kind(self) -> str:
@@ -363,9 +364,11 @@ class StageRunner:
             rows.extend(range(end - 1 - len(spec), end))
         if not states:
             return StepResult(step_id, [], [])
-        logits = self.model.compute_logits(hidden[rows])  # [R, V] float32; None: tp rank > 0
+        greedy = all(self._is_plain_greedy(s) for s in states)
+        # [R, V], float32 unless every row is greedy (then as computed); None: tp rank > 0
+        logits = self.model.compute_logits(hidden[rows], float32=not greedy)
         logprobs = None
-        if logits is not None and all(self._is_plain_greedy(s) for s in states):
+        if logits is not None and greedy:
             sampled = argmax_rows(logits)  # what the sampler gives them, without its tensors
         elif logits is not None:
             # per row: its request, and the outputs it is sampled after (copies: only here)

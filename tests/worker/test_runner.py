@@ -177,5 +177,6 @@ def test_runner_bfloat16_stays_close_to_float32(tmp_path):
             planner.add(f"r{i}", prompt, 1)
         run_plans(planner, runners)
         logits[dtype] = torch.stack([planner.logits[f"r{i}"][0] for i in range(4)])
-    assert logits["bfloat16"].dtype == torch.float32
-    torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.1, rtol=0.05)
+    # greedy rows keep the logits as computed (the argmax needs no widening)
+    assert logits["bfloat16"].dtype == torch.bfloat16
+    torch.testing.assert_close(logits["bfloat16"].float(), logits["float32"], atol=0.1, rtol=0.05)

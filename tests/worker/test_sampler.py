@@ -57,11 +57,14 @@ def test_argmax_rows_matches_torch_argmax_on_ties_nan_and_infinities():
     )
     wide = torch.randn(7, 49152)
     wide[3, 100] = wide[3, 200] = wide[3].max() + 1  # a tie in a long row
-    for logits in (x, wide, wide[:, ::3], wide.t().contiguous().t(), x[:0]):
-        got = argmax_rows(logits)
+    wide[4, 49150] = nan  # past the vector loops' last full block
+    wide[5, 49151] = wide[5].max() + 1
+    wide[6, 40000:] = inf
+    cases = (x, wide, wide[:, ::3], wide.t().contiguous().t(), wide[:, :49147], x[:0])
+    for logits in (*cases, *(case.bfloat16() for case in cases)):
+        got = argmax_rows(logits)  # bfloat16: as the greedy path reads a bf16 model's logits
         assert got.dtype == torch.int64
-        assert torch.equal(got, logits.argmax(dim=-1)), logits.shape
-    assert argmax_rows(wide.bfloat16()).tolist() == wide.bfloat16().argmax(dim=-1).tolist()
+        assert torch.equal(got, logits.argmax(dim=-1)), (logits.shape, logits.dtype)
 
 
 def test_sampler_greedy_takes_argmax():

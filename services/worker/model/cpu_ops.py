@@ -117,6 +117,12 @@ def bf16_pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
     return load_kernels().bf16_pack_amx(weight)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum of float32 or bfloat16 logits [N, V] (a NaN the largest,
+    as torch's argmax): [N] int64."""
+    return load_kernels().argmax_rows(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [T, hidden] (float32 or bfloat16) in one pass; HF's operation order."""
     return load_kernels().rms_norm(x.contiguous(), weight, eps)

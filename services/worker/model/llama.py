@@ -287,8 +287,12 @@ class StageModel(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return x
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only).
+    def compute_logits(
+        self, hidden_states: torch.Tensor, float32: bool = True
+    ) -> torch.Tensor | None:
+        """[N, hidden] rows that sample -> [N, vocab] float32 logits (last stage only); in
+        the model's dtype with `float32` False (what a greedy argmax needs: widening is
+        exact, so it changes no maximum; 64 rows of SmolLM2 took ~0.9 ms to widen).
 
         Tensor parallel: each rank computes its vocabulary range and rank 0 gathers the
         whole rows; the other ranks get None (they receive rank 0's sampled tokens)."""
@@ -296,7 +300,9 @@ class StageModel(nn.Module):
             raise ValueError(f"stage {self.stage.stage_index} is not the last stage")
         hidden_states = self.norm(hidden_states)
         if self.lm_head is not None:
-            logits = self.lm_head(hidden_states).float()
+            logits = self.lm_head(hidden_states)
         else:
-            logits = F.linear(hidden_states, self.lm_head_weight).float()
+            logits = F.linear(hidden_states, self.lm_head_weight)
+        if float32:
+            logits = logits.float()
         return self.tp.gather_last_dim(logits)  # [N, V/tp] per rank -> [N, V] on rank 0

@@ -11,7 +11,9 @@ and times `StageRunner.execute` of a decode step of `--batch` requests at contex
 * `kernels`: as a worker runs now: matmuls of 1-4 rows on `cpu_ops.small_linear`, each
   layer's elementwise work fused (model/cpu_ops.py);
 * `eager`: the path before them (oneDNN for every matmul, torch's int8 kernel, elementwise
-  ops in eager PyTorch; `--linear-backend onednn` gives it in a worker).
+  ops in eager PyTorch; `--linear-backend onednn` gives it in a worker). On a CPU with
+  AMX-BF16 a bf16 stage holds the AMX copy instead of oneDNN's packed one, so there its
+  eager matmuls run torch's matmul over the plain weight, not oneDNN's packed GEMM.
 
 Every format x variant takes one step in turn, round after round, so the outside load of
 a shared machine falls on all alike. Prints the median wall and process-CPU ms per step

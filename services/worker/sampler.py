@@ -37,16 +37,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     (`cpu_ops.argmax_rows`), else float32 ones through numpy: torch's CPU argmax over
     SmolLM2's 49152-wide rows took 0.12 ms for one row and 9.5 ms for 64 (torch 2.13, 2
     threads), numpy's 8 us and 0.64 ms, the kernel 0.25 ms for 64 and 0.17 ms for 64
-    bfloat16 rows, which numpy cannot read (docs/performance.md#the-argmax-of-the-logits)."""
+    bfloat16 rows, which numpy cannot read (widened for it where the kernels do not build;
+    docs/performance.md#the-argmax-of-the-logits)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         return x.argmax(dim=-1)
     from services.worker.model import cpu_ops  # builds the kernels: not at import
 
     if x.shape[1] and cpu_ops.available():
         return cpu_ops.argmax_rows(x)
-    if x.dtype != torch.float32:
-        return x.argmax(dim=-1)
-    return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return torch.from_numpy(x.detach().float().numpy().argmax(axis=-1))  # bf16: widened
 
 
 @dataclass(slots=True)

@@ -154,6 +154,19 @@ def test_packed_linear_bfloat16_holds_the_amx_copy_instead_of_onednns(rows):
     assert PackedLinear(weight, b).amx_weight is None  # without the kernels: oneDNN's copy
 
 
+@pytest.mark.skipif(not AMX_BF16, reason="this CPU has no AMX-BF16")
+def test_packed_linear_amx_copy_leaves_what_its_kernel_cannot_take_to_torch():
+    """No rows and a 3-D x go to torch's matmul over the plain weight, as they went to
+    oneDNN's before the AMX copy replaced its packed one."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    layer = PackedLinear(weight, None, keep_plain=True)
+    assert layer.amx_weight is not None
+    assert layer(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 96)
+    x3 = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(layer(x3), F.linear(x3, weight))
+
+
 def test_quant_linear_int8_small_batch_equals_the_int8_kernel():
     gen = torch.Generator().manual_seed(3)
     layer = QuantLinear("int8", torch.randn(256, 128, generator=gen), None)

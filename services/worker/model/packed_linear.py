@@ -113,12 +113,22 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.small_batch and cpu_ops.serves(x, self.weight):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias)
-        rows = x.shape[0] if x.dim() == 2 else 0
-        if self.small_batch and self.amx_weight is not None and rows <= cpu_ops.AMX_BF16_MAX_ROWS:
+        if self.small_batch and self._amx_serves(x):
             return cpu_ops.small_linear(x, self.weight, bias=self.bias, packed=self.amx_weight)
         if self.packed_weight is None:
             return self._unpacked(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _amx_serves(self, x: torch.Tensor) -> bool:
+        """Whether x goes to the AMX-BF16 copy: 2-D bfloat16 CPU rows, up to
+        AMX_BF16_MAX_ROWS (the C++ kernel takes nothing else)."""
+        return (
+            self.amx_weight is not None
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= cpu_ops.AMX_BF16_MAX_ROWS
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+        )
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
@@ -133,7 +143,9 @@ class PackedLinear(nn.Module):
         def linear(x: torch.Tensor) -> torch.Tensor:
             if self.small_batch:
                 rows = x.shape[0]
-                if rows <= small_rows or (amx is not None and rows <= amx_rows):
+                if rows <= small_rows:
+                    return cpu_ops.small_linear(x, weight, bias=bias)
+                if amx is not None and rows <= amx_rows and x.dtype == torch.bfloat16:
                     return cpu_ops.small_linear(x, weight, bias=bias, packed=amx)
             if packed is None:
                 return unpacked(x, weight, bias)

@@ -128,7 +128,9 @@ inline float dot(const float* x, const W* w, int64_t K) {
 // once, as an FMA does; only the order of the sums differs from the widening path's. It
 // also asks for the weights farther ahead and into L2 (into L1, the line fill buffers
 // bound a core's reads): 1-4 rows of SmolLM2's decode matmuls in 0.68-0.81x the time of the
-// widening path (docs/performance.md, "bfloat16 dots"). The activations must be bfloat16
+// widening path (docs/performance.md, "bfloat16 on AVX512-BF16 and AMX tiles"). Like every
+// AVX512-BF16 and AMX-BF16 instruction it treats subnormal values (below ~1.2e-38) as zero.
+// The activations must be bfloat16
 // already (a bf16 model's are): rounding float32 ones would lose their precision.
 #if defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 11)
 #define CONVEYOR_BF16_DOT 1
@@ -726,7 +728,7 @@ void int8_linear(int64_t M, const T* x, const int8_t* w, const int8_t* packed,
 // ---- AMX-BF16: bfloat16 matmuls of kMaxRows + 1 to kAmxBf16MaxRows rows (decode batches
 // and the default 512-token prefill steps) on the tile unit, where oneDNN's packed GEMM
 // took 1.1-1.5x the time at 8-128 rows (SmolLM2's decode matmuls, cold weights,
-// docs/performance.md "bfloat16 on AMX tiles"). `tdpbf16ps` multiplies 16 rows x 32 k of x
+// docs/performance.md "bfloat16 on AVX512-BF16 and AMX tiles"). `tdpbf16ps` multiplies 16 rows x 32 k of x
 // by 32 k x 16 columns of weights into float32 sums, each product exact; a row's sums never
 // depend on the other rows, so a request's result is the same in any batch of this range.
 // Weights are repacked once, at load (`bf16_pack_amx`), in the layout a B tile takes: for
@@ -910,6 +912,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& weight,
     return out;
   }
   if (amx_bf16) {  // bfloat16 x [M, K] -> out [M, N] bfloat16, on the tile unit
+    TORCH_CHECK(has_amx_bf16(), "small_linear: this CPU has no AMX-BF16 for packed");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed->scalar_type() == at::kBFloat16 &&
                     packed->is_contiguous() && packed->numel() == round_up(N, 32) * round_up(K, 32),
                 "small_linear: packed must be bf16_pack_amx(weight), x bfloat16");

@@ -23,12 +23,15 @@ def dense_reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 9, 1], [7, 3]])
-def test_paged_attention_matches_dense_attention(num_kv_heads, query_lens):
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 9, 1], [7, 3], [6, 6, 6]])
+@pytest.mark.parametrize("whole_prompts", [False, True])
+def test_paged_attention_matches_dense_attention(num_kv_heads, query_lens, whole_prompts):
+    """Chunks after a cached past (the masked SDPA), and whole prompts (SDPA's causal path,
+    GQA without copies), in runs of one shape or mixed."""
     torch.manual_seed(0)
     rng = random.Random(1)
     heads, dim, block_size, num_blocks = 4, 16, 8, 64
-    past_lens = [rng.randint(0, 30) for _ in query_lens]
+    past_lens = [0 if whole_prompts else rng.randint(0, 30) for _ in query_lens]
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(num_blocks))

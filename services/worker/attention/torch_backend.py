@@ -6,7 +6,9 @@ One call serves a whole flattened mixed batch (prefill chunks and decodes togeth
 2. each sequence's context is gathered from its blocks into a dense [B, L, Hkv, D];
 3. `scaled_dot_product_attention` with a boolean causal mask: one batched call for the
    decodes, and one per run of same-shape chunks (never padded, so a row's bits do not
-   depend on the other sequences in the batch: `chunk_attention`).
+   depend on the other sequences in the batch: `chunk_attention`); a chunk that is a whole
+   prompt takes SDPA's own causal path instead, which skips the masked tiles (a bf16
+   512-token prompt's prefill step 0.79x the time on an AMX Xeon).
 
 GQA never copies K/V per query head: the G = Hq / Hkv query heads that share a KV head are
 folded into the query-length axis, so each KV head is attended once:
@@ -16,6 +18,7 @@ folded into the query-length axis, so each KV head is attended once:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -188,9 +191,11 @@ def chunk_attention(
     scheduling batch requests differently. Unpadded, a row's result is a function of its
     own sequence alone (SDPA computes each batch entry on its own); a benchmark's equal
     prompts still share one call, and mixed lengths no longer pay for padding."""
-    out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
-    shapes = zip(meta.query_lens.tolist(), meta.seq_lens.tolist(), strict=True)
+    shapes = list(zip(meta.query_lens.tolist(), meta.seq_lens.tolist(), strict=True))
+    if shapes.count(shapes[0]) == len(shapes):  # one run (a burst's equal prompts): no copy
+        return _same_shape_attention(q, k_cache, v_cache, meta.block_tables, *shapes[0], scale)
+    out = torch.empty_like(q)
     first = 0
     for (query_len, seq_len), run in itertools.groupby(shapes):
         count = sum(1 for _ in run)
@@ -216,18 +221,30 @@ def _same_shape_attention(
     num_seqs, num_heads, head_dim = block_tables.shape[0], q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    keys = gather_context(k_cache, block_tables, seq_len).to(q.dtype)  # [B, Hkv, L, D]
+    values = gather_context(v_cache, block_tables, seq_len).to(q.dtype)
+    if query_len == seq_len:  # a whole prompt: SDPA's causal tiling skips the masked tiles
+        query = q.view(num_seqs, query_len, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1
+        )  # [B, Hq, Q, D]: a KV head serves its G query heads without copies
+        return out.transpose(1, 2).reshape(num_seqs * query_len, num_heads, head_dim)
     query = q.view(num_seqs, query_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     query = query.reshape(num_seqs, num_kv_heads, query_len * group, head_dim)
-    keys = gather_context(k_cache, block_tables, seq_len)  # [B, Hkv, L, D]
-    values = gather_context(v_cache, block_tables, seq_len)
-    # query i (at position L - Q + i) sees keys 0..L - Q + i; G query heads per KV head
-    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device)
-    mask = mask.tril(seq_len - query_len).repeat_interleave(group, dim=0)  # [Q*G, L]
+    mask = _chunk_mask(query_len, seq_len, group, q.device)
     out = F.scaled_dot_product_attention(
-        query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
+        query, keys, values, attn_mask=mask, scale=scale
     )  # [B, Hkv, Q*G, D]
     out = out.view(num_seqs, num_kv_heads, query_len, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(num_seqs * query_len, num_heads, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_mask(query_len: int, seq_len: int, group: int, device: torch.device) -> torch.Tensor:
+    """[Q*G, L] bool: query i (at position L - Q + i) sees keys 0..L - Q + i, each of its G
+    query heads alike; made once per shape, not per layer."""
+    mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=device)
+    return mask.tril(seq_len - query_len).repeat_interleave(group, dim=0)
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

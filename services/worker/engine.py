@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,9 @@ _IDLE_GAP_NS = 500_000_000
 PLAN_WAIT_REPORTED = 0.02
 """Stage 0 tells the scheduler of a plan wait longer than this share of its previous step
 (shorter ones are noise to the scheduler's window, services/scheduler/lead.py)."""
+_RECEIVES_AHEAD = 4
+"""Plans a stage takes off its queue ahead of the one it runs, to post their activations'
+receives before it computes (transport.py: gloo sends a message once its receive is posted)."""
 
 _session_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
@@ -104,6 +107,8 @@ class _Session:
     """When this stage's last step ended (its next plan's wait counts from)."""
     last_step_ns: int = 0
     """How long its last step with requests took (start of its compute to its end)."""
+    hidden_posted_through: int = -1
+    """Stages after the first: the last step whose activations' receive is posted."""
 
 
 class Timeline:
@@ -246,10 +251,14 @@ class StageEngine:
                     tp.group = getattr(session.link, "tp_group", None)
         if session.on_joined is not None and not session.is_stale:  # else nobody waits
             session.on_joined(session.broken)
+        ready: deque = deque()  # plans taken off the queue, not yet run
         while True:
-            item = session.plans.get()
+            item = ready.popleft() if ready else session.plans.get()
             if item is None or session.is_stale:
                 return
+            with contextlib.suppress(queue.Empty):
+                while len(ready) < _RECEIVES_AHEAD:
+                    ready.append(session.plans.get_nowait())
             plan, tokens_from_last_stage, arrived_ns = item
             # free before the plan came: the control plane's share of the bubble
             plan_wait_ns = max(0, arrived_ns - session.last_end_ns) if session.last_end_ns else 0
@@ -257,7 +266,7 @@ class StageEngine:
                 session.on_outcome(StepOutcome(plan.step_id, None, error=session.broken))
                 continue
             try:
-                outcome = self._execute(session, plan, tokens_from_last_stage, plan_wait_ns)
+                outcome = self._execute(session, plan, tokens_from_last_stage, plan_wait_ns, ready)
             except Exception as exc:  # noqa: BLE001 - the session is over; tell the scheduler
                 if session.is_stale:
                     return
@@ -292,7 +301,10 @@ class StageEngine:
         plan: StepPlan,
         tokens_from_last_stage: bool,
         plan_wait_ns: int = 0,
+        ready: Iterable = (),
     ) -> StepOutcome | None:
+        """Runs one plan; `ready`: the plans queued behind it, whose activations' receives
+        are posted before this step computes."""
         link = session.link
         t_wait = time.time_ns()
         hidden_in, input_tokens = None, None
@@ -307,8 +319,15 @@ class StageEngine:
             if takes_tokens:
                 self._receive_tokens(session, plan.step_id)
                 input_tokens = self._take_inputs(session, plan)
-        elif plan.num_requests:
-            hidden_in = link.recv_hidden(plan.num_scheduled_tokens, self._hidden_size, self._dtype)
+        else:
+            for later in (plan, *(item[0] for item in ready if item is not None)):
+                if later.num_requests and later.step_id > session.hidden_posted_through:
+                    link.expect_hidden(later.num_scheduled_tokens, self._hidden_size, self._dtype)
+                    session.hidden_posted_through = later.step_id
+            if plan.num_requests:
+                hidden_in = link.recv_hidden(
+                    plan.num_scheduled_tokens, self._hidden_size, self._dtype
+                )
         with self._runner_lock:
             if session.is_stale:
                 return None
@@ -325,6 +344,7 @@ class StageEngine:
                 ids = self._sampling_request_ids(plan)
                 if ids:
                     session.sampling_ids[plan.step_id] = ids
+                    link.expect_tokens(len(ids))  # the last stage sends them P steps on
         result = None
         if self.transport.is_last:
             result = out

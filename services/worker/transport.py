@@ -50,9 +50,12 @@ _MAX_PENDING_SENDS = 16
 class Link(Protocol):
     """One session's messages between stages: all that `StageEngine` asks of a link.
 
-    `PipelineLink` (torch.distributed) is the one every worker uses; anything with these four
+    `PipelineLink` (torch.distributed) is the one every worker uses; anything with these
     methods can stand in for it, e.g. the in-memory link of tests/pipeline/utils.py that runs
-    every stage in one process. Receivers know each message's shape from the step plan.
+    every stage in one process. Receivers know each message's shape from the step plan, and
+    may post a receive before they wait for it (`expect_*`): gloo sends a message's bytes
+    only once its receive is posted, so a receive posted late costs a round trip through the
+    sender's network thread, on a core the sender's compute holds.
     """
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
@@ -66,6 +69,13 @@ class Link(Protocol):
 
     def recv_tokens(self, num_tokens: int) -> torch.Tensor:
         """[N] int64 from the last stage (stage 0, async mode)."""
+
+    def expect_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Posts the receive of a later `recv_hidden`'s message now (receives are taken in
+        the order they were posted): its bytes can then land while this stage computes."""
+
+    def expect_tokens(self, num_tokens: int) -> None:
+        """Posts the receive of a later `recv_tokens`'s message now, likewise."""
 
 
 class Transport(Protocol):
@@ -316,6 +326,8 @@ class PipelineLink:
         self.tp_group = tp_group
         self.store = store
         self._pending: deque = deque()
+        self._posted: dict[int, deque] = {_TAG_HIDDEN: deque(), _TAG_TOKENS: deque()}
+        """Per tag, receives posted ahead: (work, buffer), oldest first."""
 
     def _rank_of(self, stage: int) -> int:
         """The pipeline-group rank of this tp rank in `stage`."""
@@ -329,9 +341,11 @@ class PipelineLink:
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, H] from the previous stage."""
-        buf = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
-        self._group.recv([buf], self._rank_of(self.stage - 1), _TAG_HIDDEN).wait()
-        return buf
+        return self._receive(_TAG_HIDDEN, (num_tokens, hidden_size), dtype)
+
+    def expect_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Posts the receive of a later `recv_hidden`."""
+        self._post(_TAG_HIDDEN, (num_tokens, hidden_size), dtype)
 
     # sampled tokens, last stage → stage 0 (async mode)
 
@@ -342,8 +356,29 @@ class PipelineLink:
 
     def recv_tokens(self, num_tokens: int) -> torch.Tensor:
         """[N] int64 from the last stage."""
-        buf = torch.empty(num_tokens, dtype=torch.int64, device=self.device)
-        self._group.recv([buf], self._rank_of(self.num_stages - 1), _TAG_TOKENS).wait()
+        return self._receive(_TAG_TOKENS, (num_tokens,), torch.int64)
+
+    def expect_tokens(self, num_tokens: int) -> None:
+        """Posts the receive of a later `recv_tokens`."""
+        self._post(_TAG_TOKENS, (num_tokens,), torch.int64)
+
+    def _post(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        src = self._rank_of(self.stage - 1 if tag == _TAG_HIDDEN else self.num_stages - 1)
+        self._posted[tag].append((self._group.recv([buf], src, tag), buf))
+
+    def _receive(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The oldest receive posted for `tag` (one posted now if none), once complete."""
+        posted = self._posted[tag]
+        if not posted:
+            self._post(tag, shape, dtype)
+        work, buf = posted.popleft()
+        if buf.shape != shape or buf.dtype != dtype:  # the engine posted out of plan order
+            raise RuntimeError(
+                f"stage {self.stage}: a receive posted for {list(buf.shape)} {buf.dtype} was "
+                f"taken for {list(shape)} {dtype}"
+            )
+        work.wait()
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

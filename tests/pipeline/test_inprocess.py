@@ -159,6 +159,11 @@ def test_pipeline_async_stage0_takes_decode_inputs_from_last_stage(num_stages, m
     assert hub.tokens_received == hub.tokens_sent[: len(hub.tokens_received)]
     num_decode_inputs = sum(len(o.token_ids) - 1 for o in outcomes)
     assert sum(len(m) for m in hub.tokens_received) >= num_decode_inputs
+    # Receives were posted ahead of the steps that take them (gloo sends a message's bytes
+    # only once its receive is posted): stage 0's tokens P steps ahead, the later stages'
+    # activations for the plans queued behind the one they run (LocalLink checks the order).
+    assert hub.most_posted["tokens"] >= num_stages - 1
+    assert hub.most_posted["hidden"] >= 2
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])

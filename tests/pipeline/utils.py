@@ -15,6 +15,7 @@ pipeline logs every plan and every report, so tests can see which path each toke
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import threading
@@ -61,6 +62,8 @@ class LocalHub:
         """Every token message the last stage sent to stage 0, in order."""
         self.tokens_received: list[list[int]] = []
         """Every token message stage 0 received, in order."""
+        self.most_posted: collections.Counter = collections.Counter()
+        """Per kind, the most receives a link had posted and not yet taken at once."""
 
     def channel(self, epoch: int, kind: str, dst: int) -> queue.Queue:
         with self._lock:
@@ -88,11 +91,17 @@ class LocalLink:
     def __init__(self, hub: LocalHub, epoch: int, stage: int, num_stages: int) -> None:
         self.hub, self.epoch = hub, epoch
         self.stage, self.num_stages = stage, num_stages
+        self.expected: dict[str, collections.deque] = {
+            "hidden": collections.deque(),
+            "tokens": collections.deque(),
+        }
+        """Receives posted ahead (`expect_*`), oldest first."""
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         self.hub.channel(self.epoch, "hidden", self.stage + 1).put(hidden.detach().clone())
 
     def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+        self._check_expected("hidden", (num_tokens, hidden_size), dtype)
         hidden = self._get("hidden", self.stage - 1)
         if hidden.shape != (num_tokens, hidden_size) or hidden.dtype != dtype:
             raise ValueError(
@@ -101,12 +110,34 @@ class LocalLink:
             )
         return hidden
 
+    def expect_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """The hub's queues hold a message until it is taken: only the shape is noted, and
+        checked when a receive takes it, as `PipelineLink`'s posted buffers are."""
+        self._expect("hidden", (num_tokens, hidden_size), dtype)
+
+    def expect_tokens(self, num_tokens: int) -> None:
+        self._expect("tokens", (num_tokens,), torch.int64)
+
+    def _expect(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.expected[kind].append((shape, dtype))
+        most = self.hub.most_posted
+        most[kind] = max(most[kind], len(self.expected[kind]))
+
+    def _check_expected(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if self.expected[kind]:
+            posted = self.expected[kind].popleft()
+            if posted != (shape, dtype):
+                raise RuntimeError(
+                    f"stage {self.stage}: {kind} posted as {posted}, taken as {shape}"
+                )
+
     def send_tokens(self, token_ids: torch.Tensor) -> None:
         tokens = token_ids.to(torch.int64).clone()
         self.hub.tokens_sent.append(tokens.tolist())
         self.hub.channel(self.epoch, "tokens", 0).put(tokens)
 
     def recv_tokens(self, num_tokens: int) -> torch.Tensor:
+        self._check_expected("tokens", (num_tokens,), torch.int64)
         tokens = self._get("tokens", self.num_stages - 1)
         if tokens.shape != (num_tokens,):
             raise ValueError(f"stage 0 expected {num_tokens} tokens, got {tokens.tolist()}")

@@ -48,6 +48,12 @@ class SimLink:
         self._wait_until(sent_at + self.timing.transfer_s(num_tokens))
         return wire
 
+    def expect_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        self.inner.expect_hidden(num_tokens, WIRE_WIDTH, WIRE_DTYPE)
+
+    def expect_tokens(self, num_tokens: int) -> None:
+        self.inner.expect_tokens(num_tokens + 1)
+
     def send_tokens(self, token_ids: torch.Tensor) -> None:
         """token_ids: [N] int64; goes out as [N + 1] with the send time (ns) last."""
         stamp = torch.tensor([time.time_ns()], dtype=torch.int64)

@@ -1,5 +1,5 @@
 """The CPU backend's C++ kernels against the torch reference: decode rows (decode_attention)
-and short chunks, a speculative step's k + 1 positions (chunk_attention)."""
+and chunks (chunk_attention): a speculative step's k + 1 positions, and prefill chunks."""
 
 from __future__ import annotations
 
@@ -162,6 +162,15 @@ def test_kernel_rejects_bad_inputs_with_a_message():
     starts = torch.tensor([0, 1, 3], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="does not cover"):
         kernels.paged_chunk_attention(q, k_cache, v_cache, tables, lens, starts, 0.25)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="bad block id"):
+        kernels.paged_chunk_attention(q, k_cache, v_cache, tables + 1000, lens, starts, 0.25)
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        kernels.paged_chunk_attention(q, k_cache, v_cache, tables, lens * 10, starts, 0.25)
+    with pytest.raises(RuntimeError, match="both alike"):
+        kernels.paged_chunk_attention(q, k_cache, v_cache.bfloat16(), tables, lens, starts, 0.25)
+    with pytest.raises(RuntimeError, match="float32 q"):
+        kernels.paged_chunk_attention(q.bfloat16(), k_cache, v_cache, tables, lens, starts, 0.25)
     if not cpu_ops.available():
         return
     with pytest.raises(RuntimeError, match="shapes disagree"):
@@ -217,6 +226,45 @@ def test_chunk_kernel_matches_reference(num_heads, num_kv_heads, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunk_kernel_takes_prefill_chunks_and_bf16_caches(dtype, group):
+    """Whole prompts (causal from the first key) and later chunks of a long context, across
+    the 16-key tiles and the query blocks of the causal skip, over float32 and bfloat16
+    caches: close to SDPA's result (float32 softmax in both)."""
+    seq_lens = [128, 200, 1, 37, 300, 64]
+    query_lens = [128, 200, 1, 37, 100, 33]
+    q, k_cache, v_cache, meta = chunk_case(3 * group, 3, 64, 16, seq_lens, query_lens, seed=7)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    takes = cpu_backend.takes_chunk(group, k_cache)(meta.query_lens, meta.seq_lens)
+    assert bool(takes.all())
+    ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+    ref = torch_backend.chunk_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_take_the_kernel_up_to_its_context_bound(monkeypatch):
+    """Short chunks always; longer ones while the context fits MAX_CHUNK_CONTEXT, and over a
+    bfloat16 cache not on a CPU with AMX-BF16 (SDPA's tiles run on AMX there); decided per
+    sequence, by its own lengths."""
+    bound = cpu_backend.MAX_CHUNK_CONTEXT
+    query_lens = torch.tensor([5, 128, 512, 32, 512])
+    seq_lens = torch.tensor([4000, 128, bound + 1, 10**6, bound])
+    cache = torch.zeros(1, 16, 3, 64)
+    monkeypatch.setattr(cpu_backend, "_has_amx_bf16", lambda: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        takes = cpu_backend.takes_chunk(3, cache.to(dtype))(query_lens, seq_lens)
+        assert takes.tolist() == [True, True, False, True, True]
+    monkeypatch.setattr(cpu_backend, "_has_amx_bf16", lambda: True)
+    takes = cpu_backend.takes_chunk(3, cache.bfloat16())(query_lens, seq_lens)
+    assert takes.tolist() == [True, False, False, True, False]
+    takes = cpu_backend.takes_chunk(3, cache)(query_lens, seq_lens)
+    assert takes.tolist() == [True, True, False, True, True]
+    odd = torch.zeros(1, 16, 3, 40)  # head_dim not a multiple of the kernel's tile
+    takes = cpu_backend.takes_chunk(3, odd)(query_lens, seq_lens)
+    assert takes.tolist() == [True, False, False, True, False]  # short ones: torch inside
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch_rows_do_not_depend_on_the_other_sequences(dtype):
     """Decode rows, short chunks and long chunks of different lengths (prefills) in one
     batch: each sequence's rows are bit-identical to those of the same sequence attended
@@ -236,8 +284,10 @@ def test_mixed_batch_rows_do_not_depend_on_the_other_sequences(dtype):
         assert torch.equal(out, together[starts[seq] : starts[seq + 1]]), seq
 
 
-def test_chunk_kernel_uses_threads_without_changing_results():
-    q, k_cache, v_cache, meta = chunk_case(9, 3, 64, 16, [60 + 9 * i for i in range(8)], [5] * 8)
+@pytest.mark.parametrize("query_len", [5, 100])
+def test_chunk_kernel_uses_threads_without_changing_results(query_len):
+    seq_lens = [query_len + 55 + 9 * i for i in range(8)]
+    q, k_cache, v_cache, meta = chunk_case(9, 3, 64, 16, seq_lens, [query_len] * 8)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -345,7 +345,7 @@ class PipelineLink:
 
     def expect_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
         """Posts the receive of a later `recv_hidden`."""
-        self._post(_TAG_HIDDEN, (num_tokens, hidden_size), dtype)
+        self._post_ahead(_TAG_HIDDEN, (num_tokens, hidden_size), dtype)
 
     # sampled tokens, last stage → stage 0 (async mode)
 
@@ -360,7 +360,15 @@ class PipelineLink:
 
     def expect_tokens(self, num_tokens: int) -> None:
         """Posts the receive of a later `recv_tokens`."""
-        self._post(_TAG_TOKENS, (num_tokens,), torch.int64)
+        self._post_ahead(_TAG_TOKENS, (num_tokens,), torch.int64)
+
+    def _post_ahead(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Gloo only. NCCL runs a pair's sends and receives in one stream, in the order they
+        were posted: a receive posted ahead would hold this stage's sends to that peer back
+        until its message came (2 stages: stage 0's send of step s behind its receive of
+        step s's tokens, which stage 1 sends once it has that send's activations)."""
+        if self.device.type != "cuda":
+            self._post(tag, shape, dtype)
 
     def _post(self, tag: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         buf = torch.empty(shape, dtype=dtype, device=self.device)

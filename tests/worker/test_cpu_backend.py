@@ -171,6 +171,18 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         kernels.paged_chunk_attention(q, k_cache, v_cache.bfloat16(), tables, lens, starts, 0.25)
     with pytest.raises(RuntimeError, match="float32 q"):
         kernels.paged_chunk_attention(q.bfloat16(), k_cache, v_cache, tables, lens, starts, 0.25)
+    # Metadata of another rank, and caches no block or head fits in, are refused before a
+    # read: each crashed the process (a read past an empty tensor, a division by zero).
+    for bad in (
+        (q, k_cache, v_cache, tables, lens.view(2, 1)[:, :0], starts),
+        (q, k_cache, v_cache, tables.view(2, -1, 1)[..., :0], lens, starts),
+        (q, k_cache, v_cache, tables, lens, starts.view(3, 1)[:, :0]),
+    ):
+        with pytest.raises(RuntimeError, match="shapes disagree"):
+            kernels.paged_chunk_attention(*bad, 0.25)
+    for empty in (k_cache[:, :0], k_cache[:, :, :0]):
+        with pytest.raises(RuntimeError, match="an empty cache block or no KV head"):
+            kernels.paged_chunk_attention(q, empty, empty, tables, lens, starts, 0.25)
     if not cpu_ops.available():
         return
     with pytest.raises(RuntimeError, match="shapes disagree"):

@@ -305,8 +305,11 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
                   block_tables.is_contiguous() && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous(),
               "paged_chunk_attention: contiguous tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  block_tables.dim() == 2 && seq_lens.dim() == 1 && query_start_loc.dim() == 1,
               "paged_chunk_attention: shapes disagree");
+  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(2) > 0,  // divisors below
+              "paged_chunk_attention: an empty cache block or no KV head");
   const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim &&

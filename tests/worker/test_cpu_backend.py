@@ -247,7 +247,7 @@ def test_chunk_kernel_takes_prefill_chunks_and_bf16_caches(dtype, group):
     query_lens = [128, 200, 1, 37, 100, 33]
     q, k_cache, v_cache, meta = chunk_case(3 * group, 3, 64, 16, seq_lens, query_lens, seed=7)
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    takes = cpu_backend.takes_chunk(group, k_cache)(meta.query_lens, meta.seq_lens)
+    takes = cpu_backend.takes_chunk(k_cache)(meta.query_lens, meta.seq_lens)
     assert bool(takes.all())
     ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
     ref = torch_backend.chunk_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)
@@ -264,15 +264,15 @@ def test_prefill_chunks_take_the_kernel_up_to_its_context_bound(monkeypatch):
     cache = torch.zeros(1, 16, 3, 64)
     monkeypatch.setattr(cpu_backend, "_has_amx_bf16", lambda: False)
     for dtype in (torch.float32, torch.bfloat16):
-        takes = cpu_backend.takes_chunk(3, cache.to(dtype))(query_lens, seq_lens)
+        takes = cpu_backend.takes_chunk(cache.to(dtype))(query_lens, seq_lens)
         assert takes.tolist() == [True, True, False, True, True]
     monkeypatch.setattr(cpu_backend, "_has_amx_bf16", lambda: True)
-    takes = cpu_backend.takes_chunk(3, cache.bfloat16())(query_lens, seq_lens)
+    takes = cpu_backend.takes_chunk(cache.bfloat16())(query_lens, seq_lens)
     assert takes.tolist() == [True, False, False, True, False]
-    takes = cpu_backend.takes_chunk(3, cache)(query_lens, seq_lens)
+    takes = cpu_backend.takes_chunk(cache)(query_lens, seq_lens)
     assert takes.tolist() == [True, True, False, True, True]
     odd = torch.zeros(1, 16, 3, 40)  # head_dim not a multiple of the kernel's tile
-    takes = cpu_backend.takes_chunk(3, odd)(query_lens, seq_lens)
+    takes = cpu_backend.takes_chunk(odd)(query_lens, seq_lens)
     assert takes.tolist() == [True, False, False, True, False]  # short ones: torch inside
 
 

@@ -148,18 +148,8 @@ def paged_attention_forward(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as torch_backend.paged_attention_forward."""
-    return torch_backend.paged_attention_forward(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        meta,
-        scale,
-        decode_attention,
-        short_chunk_attention,
-        takes_chunk(q.shape[1] // k_cache.shape[2], k_cache),
-    )
+    torch_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend_cached(q, k_cache, v_cache, meta, scale)
 
 
 def attend_cached(
@@ -178,7 +168,7 @@ def attend_cached(
         scale,
         decode_attention,
         short_chunk_attention,
-        takes_chunk(q.shape[1] // k_cache.shape[2], k_cache),
+        takes_chunk(k_cache),
     )
 
 
@@ -190,11 +180,10 @@ cache. Below that SDPA's per-call cost dominates: a 4 x 128 bf16 prefill step 0.
 time on the kernel, a 512-token prompt 0.78x (Zen 5, 2 threads)."""
 
 
-def takes_chunk(group: int, k_cache: torch.Tensor) -> torch_backend.TakesChunkFn:
+def takes_chunk(k_cache: torch.Tensor) -> torch_backend.TakesChunkFn:
     """The chunks the C++ kernel takes: short ones always; prefill chunks of contexts up to
     MAX_CHUNK_CONTEXT, except over a bfloat16 cache on a CPU with AMX-BF16, where SDPA's
-    tiles run on AMX. Each sequence by its own lengths (results never depend on the batch);
-    `group`: query heads per KV head."""
+    tiles run on AMX. Each sequence by its own lengths (results never depend on the batch)."""
     long_too = _kernel_reads(k_cache) and not (k_cache.dtype == torch.bfloat16 and _has_amx_bf16())
 
     def takes(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -169,8 +169,8 @@ def test_kernel_rejects_bad_inputs_with_a_message():
         kernels.paged_chunk_attention(q, k_cache, v_cache, tables, lens * 10, starts, 0.25)
     with pytest.raises(RuntimeError, match="both alike"):
         kernels.paged_chunk_attention(q, k_cache, v_cache.bfloat16(), tables, lens, starts, 0.25)
-    with pytest.raises(RuntimeError, match="float32 q"):
-        kernels.paged_chunk_attention(q.bfloat16(), k_cache, v_cache, tables, lens, starts, 0.25)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 q"):
+        kernels.paged_chunk_attention(q.half(), k_cache, v_cache, tables, lens, starts, 0.25)
     # Metadata of another rank, and caches no block or head fits in, are refused before a
     # read: each crashed the process (a read past an empty tensor, a division by zero).
     for bad in (
@@ -252,6 +252,20 @@ def test_chunk_kernel_takes_prefill_chunks_and_bf16_caches(dtype, group):
     ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
     ref = torch_backend.chunk_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_kernel_reads_and_writes_bf16_rows_as_rounding_its_float32_result(cache_dtype):
+    """A bfloat16 q is read as is and the result rounded once, as torch rounds: the same
+    bits as the float32 path followed by a conversion (what the backend did before)."""
+    q, k_cache, v_cache, meta = chunk_case(9, 3, 64, 16, [128, 70], [128, 33], seed=3)
+    k_cache, v_cache, q = k_cache.to(cache_dtype), v_cache.to(cache_dtype), q.bfloat16()
+    kernels = cpu_backend.load_kernels()
+    args = (meta.block_tables, meta.seq_lens, meta.query_start_loc.int(), 0.125)
+    ours = kernels.paged_chunk_attention(q, k_cache, v_cache, *args)
+    assert ours.dtype == torch.bfloat16
+    wide = kernels.paged_chunk_attention(q.float(), k_cache, v_cache, *args)
+    assert torch.equal(ours, wide.bfloat16())
 
 
 def test_prefill_chunks_take_the_kernel_up_to_its_context_bound(monkeypatch):

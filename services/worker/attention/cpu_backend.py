@@ -126,8 +126,11 @@ def short_chunk_attention(
     take the torch path)."""
     if not _kernel_reads(k_cache):
         return torch_backend.chunk_attention(q, k_cache, v_cache, meta, scale)
+    dtype = q.dtype  # the kernel reads and writes float32 and bfloat16 rows as they are
+    if dtype not in (torch.float32, torch.bfloat16):
+        q = q.to(torch.float32)
     out = load_kernels().paged_chunk_attention(
-        q.to(torch.float32).contiguous(),
+        q.contiguous(),
         k_cache,
         v_cache,
         meta.block_tables.to(torch.int32).contiguous(),
@@ -135,7 +138,7 @@ def short_chunk_attention(
         meta.query_start_loc.to(torch.int32).contiguous(),
         scale,
     )
-    return out.to(q.dtype)
+    return out.to(dtype)
 
 
 def paged_attention_forward(

@@ -126,11 +126,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // sequence's chunk against the sequence's context, causal within the chunk (row r of a
 // chunk of n rows at the end of a context of len tokens sees keys 0 .. len - n + r).
 //
-//   q               [T, Hq, D]   float32, contiguous: the chunks' rows, sequence by sequence
+//   q               [T, Hq, D]   float32 or bfloat16, contiguous: the chunks' rows, in order
 //   k/v_cache       [num_blocks, bs, Hkv, D]  float32 or bfloat16, both alike
 //   query_start_loc [B + 1]      int32: rows of sequence b are [qsl[b], qsl[b + 1])
 //   seq_lens        [B]          int32: context length, the chunk included
-//   returns         [T, Hq, D]
+//   returns         [T, Hq, D]   q's dtype (float32 sums, rounded once at the end)
 //
 // A work item is (sequence, up to kRowsPerItem of its chunk's rows, KV head): the K and V
 // rows those rows see are read once, for all of them and the G query heads that share the
@@ -140,7 +140,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // instead copied every context into a padded dense tensor and ran SDPA with a dense mask,
 // ~3x the time at 16 x 5 rows). Causal: a block of query vectors skips the key tiles none
 // of its rows sees, in the scores and in the sums (half the work of a whole prompt).
-// Caches of float32 or bfloat16 (widened as the tiles are copied); q and results float32.
+// Caches of float32 or bfloat16 (widened as the tiles are copied), q and results of float32
+// or bfloat16: the arithmetic is float32 throughout.
 constexpr int64_t kTile = 16;     // keys per score tile; head_dim is a multiple of it
 constexpr int64_t kRowsPerItem = 32;  // a work item's rows of a chunk: a long prompt's
                                       // rows spread over the threads, not only its KV heads
@@ -159,10 +160,11 @@ inline float widen(uint16_t v) {  // bfloat16 bits -> float32: the high half of 
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
-template <typename T>
-void chunk_attention(const float* q_ptr, const T* k_ptr, const T* v_ptr, const int32_t* tables,
-                     const int32_t* lens, const int32_t* starts, float* out_ptr,
+template <typename Q, typename T>  // q and results float or at::BFloat16; caches float or bf16 bits
+void chunk_attention(const Q* q_ptr, const T* k_ptr, const T* v_ptr, const int32_t* tables,
+                     const int32_t* lens, const int32_t* starts, Q* out_ptr,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t max_blocks, float softmax_scale) {
   const int64_t group = num_heads / num_kv_heads;
@@ -203,9 +205,9 @@ void chunk_attention(const float* q_ptr, const T* k_ptr, const T* v_ptr, const i
       query.assign(padded * head_dim, 0.f);
       for (int64_t r = 0; r < num_rows; ++r)
         for (int64_t g = 0; g < group; ++g) {
-          const float* src = q_ptr + (first_row + r) * row_stride + (kv_head * group + g) * head_dim;
+          const Q* src = q_ptr + (first_row + r) * row_stride + (kv_head * group + g) * head_dim;
           float* dst = query.data() + (r * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = softmax_scale * src[d];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = softmax_scale * widen(src[d]);
         }
       const int64_t stride = (len + kTile - 1) / kTile * kTile;  // scores [padded, stride]
       scores.resize(padded * stride);
@@ -281,7 +283,7 @@ void chunk_attention(const float* q_ptr, const T* k_ptr, const T* v_ptr, const i
       }
       for (int64_t r = 0; r < num_rows; ++r)
         for (int64_t g = 0; g < group; ++g)
-          std::copy_n(acc.data() + (r * group + g) * head_dim, head_dim,
+          std::copy_n(acc.data() + (r * group + g) * head_dim, head_dim,  // rounded to Q as torch
                       out_ptr + (first_row + r) * row_stride + (kv_head * group + g) * head_dim);
     }
   });
@@ -295,9 +297,11 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& seq_lens,
                                     const torch::Tensor& query_start_loc, double scale) {
   const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == cache_type &&
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  v_cache.scalar_type() == cache_type &&
                   (cache_type == at::kFloat || cache_type == at::kBFloat16),
-              "paged_chunk_attention: float32 q, and float32 or bfloat16 caches (both alike)");
+              "paged_chunk_attention: float32 or bfloat16 q, and float32 or bfloat16 caches "
+              "(both alike)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_chunk_attention: int32 block_tables, seq_lens and query_start_loc");
@@ -338,9 +342,15 @@ torch::Tensor paged_chunk_attention(const torch::Tensor& q, const torch::Tensor&
   auto out = torch::zeros_like(q);
   const float softmax_scale = static_cast<float>(scale);
   const auto run = [&](const auto* k, const auto* v) {
-    chunk_attention(q.data_ptr<float>(), k, v, tables, lens, starts, out.data_ptr<float>(),
-                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                    softmax_scale);
+    const auto attend = [&](const auto* q_ptr, auto* out_ptr) {
+      chunk_attention(q_ptr, k, v, tables, lens, starts, out_ptr, num_seqs, num_heads,
+                      num_kv_heads, head_dim, block_size, max_blocks, softmax_scale);
+    };
+    if (q.scalar_type() == at::kFloat) {
+      attend(q.data_ptr<float>(), out.data_ptr<float>());
+    } else {
+      attend(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+    }
   };
   if (cache_type == at::kFloat) {
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());

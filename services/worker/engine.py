@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,8 +107,6 @@ class _Session:
     """When this stage's last step ended (its next plan's wait counts from)."""
     last_step_ns: int = 0
     """How long its last step with requests took (start of its compute to its end)."""
-    hidden_posted_through: int = -1
-    """Stages after the first: the last step whose activations' receive is posted."""
 
 
 class Timeline:
@@ -251,14 +249,14 @@ class StageEngine:
                     tp.group = getattr(session.link, "tp_group", None)
         if session.on_joined is not None and not session.is_stale:  # else nobody waits
             session.on_joined(session.broken)
-        ready: deque = deque()  # plans taken off the queue, not yet run
+        ready: deque = deque()  # plans taken off the queue (receives posted), not yet run
         while True:
-            item = ready.popleft() if ready else session.plans.get()
+            item = ready.popleft() if ready else self._take(session, session.plans.get())
             if item is None or session.is_stale:
                 return
             with contextlib.suppress(queue.Empty):
                 while len(ready) < _RECEIVES_AHEAD:
-                    ready.append(session.plans.get_nowait())
+                    ready.append(self._take(session, session.plans.get_nowait()))
             plan, tokens_from_last_stage, arrived_ns = item
             # free before the plan came: the control plane's share of the bubble
             plan_wait_ns = max(0, arrived_ns - session.last_end_ns) if session.last_end_ns else 0
@@ -266,7 +264,7 @@ class StageEngine:
                 session.on_outcome(StepOutcome(plan.step_id, None, error=session.broken))
                 continue
             try:
-                outcome = self._execute(session, plan, tokens_from_last_stage, plan_wait_ns, ready)
+                outcome = self._execute(session, plan, tokens_from_last_stage, plan_wait_ns)
             except Exception as exc:  # noqa: BLE001 - the session is over; tell the scheduler
                 if session.is_stale:
                     return
@@ -301,10 +299,7 @@ class StageEngine:
         plan: StepPlan,
         tokens_from_last_stage: bool,
         plan_wait_ns: int = 0,
-        ready: Iterable = (),
     ) -> StepOutcome | None:
-        """Runs one plan; `ready`: the plans queued behind it, whose activations' receives
-        are posted before this step computes."""
         link = session.link
         t_wait = time.time_ns()
         hidden_in, input_tokens = None, None
@@ -319,15 +314,8 @@ class StageEngine:
             if takes_tokens:
                 self._receive_tokens(session, plan.step_id)
                 input_tokens = self._take_inputs(session, plan)
-        else:
-            for later in (plan, *(item[0] for item in ready if item is not None)):
-                if later.num_requests and later.step_id > session.hidden_posted_through:
-                    link.expect_hidden(later.num_scheduled_tokens, self._hidden_size, self._dtype)
-                    session.hidden_posted_through = later.step_id
-            if plan.num_requests:
-                hidden_in = link.recv_hidden(
-                    plan.num_scheduled_tokens, self._hidden_size, self._dtype
-                )
+        elif plan.num_requests:
+            hidden_in = link.recv_hidden(plan.num_scheduled_tokens, self._hidden_size, self._dtype)
         with self._runner_lock:
             if session.is_stale:
                 return None
@@ -368,6 +356,17 @@ class StageEngine:
         if plan.num_requests:
             self.timeline.add(record)
         return StepOutcome(plan.step_id, record, result=result)
+
+    def _take(self, session: _Session, item):
+        """A queue item as it leaves the queue, in plan order: a later stage posts the
+        receive of the plan's activations now, before the steps ahead of it compute."""
+        if item is not None and not self.transport.is_first and not session.broken:
+            plan = item[0]
+            if plan.num_requests:
+                session.link.expect_hidden(
+                    plan.num_scheduled_tokens, self._hidden_size, self._dtype
+                )
+        return item
 
     def _sampling_request_ids(self, plan: StepPlan) -> list[str]:
         """Stage 0: the requests that sample this step, in the runner's batch order."""

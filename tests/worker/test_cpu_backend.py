@@ -232,7 +232,7 @@ def test_chunk_kernel_matches_reference(num_heads, num_kv_heads, block_size):
         num_heads, num_kv_heads, 64, block_size, seq_lens, query_lens
     )
     scale = 64**-0.5
-    ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, scale)
+    ours = cpu_backend.kernel_chunk_attention(q, k_cache, v_cache, meta, scale)
     ref = torch_backend.chunk_attention(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
@@ -249,7 +249,7 @@ def test_chunk_kernel_takes_prefill_chunks_and_bf16_caches(dtype, group):
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     takes = cpu_backend.takes_chunk(k_cache)(meta.query_lens, meta.seq_lens)
     assert bool(takes.all())
-    ours = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+    ours = cpu_backend.kernel_chunk_attention(q, k_cache, v_cache, meta, 0.125)
     ref = torch_backend.chunk_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
@@ -317,9 +317,9 @@ def test_chunk_kernel_uses_threads_without_changing_results(query_len):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+        one = cpu_backend.kernel_chunk_attention(q, k_cache, v_cache, meta, 0.125)
         torch.set_num_threads(2)
-        two = cpu_backend.short_chunk_attention(q, k_cache, v_cache, meta, 0.125)
+        two = cpu_backend.kernel_chunk_attention(q, k_cache, v_cache, meta, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)

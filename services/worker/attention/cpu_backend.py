@@ -113,7 +113,7 @@ def decode_attention(
     return out.to(q.dtype)
 
 
-def short_chunk_attention(
+def kernel_chunk_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -170,7 +170,7 @@ def attend_cached(
         meta,
         scale,
         decode_attention,
-        short_chunk_attention,
+        kernel_chunk_attention,
         takes_chunk(k_cache),
     )
 

@@ -29,16 +29,16 @@ from services.kernels.metadata import AttentionMetadata
 
 DecodeFn = Callable[..., torch.Tensor]
 """(q [B, Hq, D], k_cache, v_cache, block_tables [B, nb], seq_lens [B], scale) -> [B, Hq, D]"""
-ShortChunksFn = Callable[..., torch.Tensor]
+KernelChunksFn = Callable[..., torch.Tensor]
 """(q [T, Hq, D], k_cache, v_cache, meta, scale) -> [T, Hq, D] for the chunks a backend's
 kernel takes (`TakesChunkFn`): a speculative step's k + 1 positions, and on some CPUs whole
 prefill chunks."""
 TakesChunkFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(query_lens [B], seq_lens [B]) -> bool [B]: which chunks go to `short_chunks`. It must
+"""(query_lens [B], seq_lens [B]) -> bool [B]: which chunks go to `kernel_chunks`. It must
 decide each sequence by its own lengths: a row's result never depends on its neighbours."""
 
 MAX_SHORT_QUERY_LEN = 32
-"""Chunks up to this many rows go to a backend's `short_chunks` when it has one and no
+"""Chunks up to this many rows go to a backend's `kernel_chunks` when it has one and no
 `TakesChunkFn` of its own; longer ones (prefill) keep SDPA."""
 
 
@@ -69,18 +69,18 @@ def paged_attention_forward(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeFn | None = None,
-    short_chunks: ShortChunksFn | None = None,
+    kernel_chunks: KernelChunksFn | None = None,
     takes_chunk: TakesChunkFn = short_chunks_only,
 ) -> torch.Tensor:
     """Write k, v into the cache, then attend q [T, Hq, D] over the paged context.
 
     Each row sees its own sequence's tokens up to and including its position (causal within
     the chunk, full over the cached past). Returns [T, Hq, D] in q's dtype. `decode`
-    replaces the attention of one-token rows, `short_chunks` that of the chunks
+    replaces the attention of one-token rows, `kernel_chunks` that of the chunks
     `takes_chunk` picks (the CPU backend passes its C++ kernels).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend_cached(q, k_cache, v_cache, meta, scale, decode, short_chunks, takes_chunk)
+    return attend_cached(q, k_cache, v_cache, meta, scale, decode, kernel_chunks, takes_chunk)
 
 
 def attend_cached(
@@ -90,28 +90,28 @@ def attend_cached(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeFn | None = None,
-    short_chunks: ShortChunksFn | None = None,
+    kernel_chunks: KernelChunksFn | None = None,
     takes_chunk: TakesChunkFn = short_chunks_only,
 ) -> torch.Tensor:
     """`paged_attention_forward` once this step's K/V rows are in the cache (the fused CPU
     path writes them with its RoPE kernel, model/cpu_ops.py).
 
     Each sequence's rows go to one of three paths, by its lengths: 1 query row to `decode`;
-    the chunks `takes_chunk` picks to `short_chunks` (when given); the rest to SDPA. A
+    the chunks `takes_chunk` picks to `kernel_chunks` (when given); the rest to SDPA. A
     row's result depends only on its own sequence, never on the others in the batch."""
     decode = decode or decode_attention
     if meta.is_decode_only:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     query_lens = meta.query_lens
     is_decode = query_lens == 1
-    if short_chunks is None:
-        is_short = torch.zeros_like(is_decode)
+    if kernel_chunks is None:
+        by_kernel = torch.zeros_like(is_decode)
     else:
-        is_short = (~is_decode) & takes_chunk(query_lens, meta.seq_lens)
-    is_long = ~(is_decode | is_short)
-    if bool(is_short.all()):  # a speculative step: every request verifies its proposal
-        return short_chunks(q, k_cache, v_cache, meta, scale)
-    if bool(is_long.all()):
+        by_kernel = (~is_decode) & takes_chunk(query_lens, meta.seq_lens)
+    by_sdpa = ~(is_decode | by_kernel)
+    if bool(by_kernel.all()):  # every chunk on the kernel (a speculative step, a burst of prompts)
+        return kernel_chunks(q, k_cache, v_cache, meta, scale)
+    if bool(by_sdpa.all()):
         return chunk_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if bool(is_decode.any()):
@@ -125,7 +125,7 @@ def attend_cached(
             meta.seq_lens[decode_seqs],
             scale,
         )
-    for kind, attend in ((is_short, short_chunks), (is_long, chunk_attention)):
+    for kind, attend in ((by_kernel, kernel_chunks), (by_sdpa, chunk_attention)):
         if bool(kind.any()):
             rows, sub = _subset(meta, kind.nonzero().squeeze(1))
             out[rows] = attend(q[rows], k_cache, v_cache, sub, scale)

@@ -613,9 +613,8 @@ struct alignas(64) TileConfig {
 constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
                                     {16, 16, 16, 16, 16, 16, 16, 16}};
 
-__attribute__((target("amx-tile,amx-int8"))) void amx_configure() {
-  _tile_loadconfig(&kTileConfig);
-}
+// Both AMX kernels' layout (int8 and bf16 tiles alike are 16 rows x 64 bytes).
+__attribute__((target("amx-tile"))) void amx_configure() { _tile_loadconfig(&kTileConfig); }
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
@@ -742,10 +741,6 @@ constexpr int64_t kAmxBf16MaxRows = 512;
 constexpr int64_t kAmxBf16Ahead = 2;  // k blocks (4 KiB of a pair's weights) asked for ahead
 
 #if defined(CONVEYOR_AMX) && defined(CONVEYOR_BF16_DOT)
-__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_configure() {
-  _tile_loadconfig(&kTileConfig);
-}
-
 // c [32, 32] float32 = 32 rows of x (row stride Kp) . a column pair's Kb k blocks (b); the
 // first pass over a pair asks for its weights ahead (later ones find them in cache).
 __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_dots(const uint16_t* x, int64_t Kp,
@@ -805,7 +800,7 @@ void amx_bf16_rows(int64_t M, const uint16_t* x, int64_t Kp, const uint16_t* pac
 #if defined(CONVEYOR_AMX) && defined(CONVEYOR_BF16_DOT)
   alignas(64) float c[32 * 32];
   const int64_t Kb = Kp / 32;
-  amx_bf16_configure();  // per thread: the tile configuration is thread state
+  amx_configure();  // per thread: the tile configuration is thread state
   for (int64_t p = begin; p < end; ++p) {
     const int64_t n = p * 32;
     for (int64_t r = 0; r < M; r += 32) {

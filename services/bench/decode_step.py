@@ -6,10 +6,14 @@
 For each weight format (fp32; bf16; int8 weights with bf16 activations) it loads the
 worker's own `StageRunner.from_config` (one stage, all layers, `--linear-backend auto`)
 and times `StageRunner.execute` of a decode step of `--batch` requests at context
-`--context` (prepare + forward + logits + sampling), in two variants:
+`--context` (prepare + forward + logits + sampling), in three variants:
 
 * `kernels`: as a worker runs now: matmuls of 1-4 rows on `cpu_ops.small_linear`, each
-  layer's elementwise work fused (model/cpu_ops.py);
+  layer's elementwise work fused (model/cpu_ops.py), a step of 1-4 rows through all the
+  layers in one C++ call (`model/llama.py` `decode_stack`);
+* `loop`: the same kernels called from Python layer by layer (`model/llama.py`
+  `direct_layer`), as before a decode step of 1-4 rows took its layers in one C++ call
+  (`decode_stack`);
 * `eager`: the path before them (oneDNN for every matmul, torch's int8 kernel, elementwise
   ops in eager PyTorch; `--linear-backend onednn` gives it in a worker). On a CPU with
   AMX-BF16 a bf16 stage holds the AMX copy instead of oneDNN's packed one, so there its
@@ -41,9 +45,11 @@ FORMATS = {  # key -> (dtype, quantization)
 }
 
 
-def set_cpu_kernels(runner: StageRunner, enabled: bool, attend) -> None:
-    """Turn the C++ CPU kernels of a runner built with them on or off."""
+def set_cpu_kernels(runner: StageRunner, enabled: bool, attend, stack: bool = True) -> None:
+    """Turn the C++ CPU kernels of a runner built with them on or off (`stack`: the layers
+    of a decode step in one C++ call)."""
     model = runner.model
+    model.stack_decode = stack
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.small_batch = enabled and module.weight is not None
@@ -115,13 +121,13 @@ def main() -> None:
         runner = StageRunner.from_config(config)
         attend = runner.model.layers[0].self_attn.attend
         step = decode_case(runner, args.batch, args.context)
-        for variant in ("kernels", "eager"):
+        for variant in ("kernels", "loop", "eager"):
             cases[(key, variant)] = (runner, attend, step)
     wall: dict[tuple, list[float]] = {case: [] for case in cases}
     cpu: dict[tuple, list[float]] = {case: [] for case in cases}
     for round_index in range(args.rounds + 2):  # 2 warm-up rounds
         for case, (runner, attend, step) in cases.items():
-            set_cpu_kernels(runner, case[1] == "kernels", attend)
+            set_cpu_kernels(runner, case[1] != "eager", attend, stack=case[1] == "kernels")
             start, start_cpu = time.perf_counter(), time.process_time()
             step()
             if round_index >= 2:
@@ -138,9 +144,11 @@ def main() -> None:
     print("ratios (wall, cpu)")
     for key in args.formats:
         (kw, kc), (ew, ec) = med[(key, "kernels")], med[(key, "eager")]
+        (lw, lc) = med[(key, "loop")]
         print(f"  {key} kernels / eager              {kw / ew:6.2f} {kc / ec:6.2f}")
+        print(f"  {key} kernels / loop               {kw / lw:6.2f} {kc / lc:6.2f}")
     if "int8" in args.formats and "bf16" in args.formats:
-        for variant in ("kernels", "eager"):
+        for variant in ("kernels", "loop", "eager"):
             (iw, ic), (bw, bc) = med[("int8", variant)], med[("bf16", variant)]
             print(f"  int8 / bf16, {variant:<8}            {iw / bw:6.2f} {ic / bc:6.2f}")
     if "fp32" in args.formats and "int8" in args.formats:

@@ -180,6 +180,31 @@ def direct_layer(layer: DecoderLayer) -> Callable:
     return forward
 
 
+def decode_stack(layers) -> object | None:
+    """The layers' fused path (`direct_layer`) for decode-only steps of 1-4 rows as one C++
+    call (`cpu_ops.DecodeStack`): the same kernels in the same order, without a return to
+    Python, and the GIL, between them. None unless every layer is fused, attends with the CPU
+    backend's kernel and runs each matmul on `small_linear`, on one tensor-parallel rank."""
+    if not layers:
+        return None
+    cpu_attend = importlib.import_module(ATTENTION_BACKENDS["cpu"]).attend_cached
+    first = layers[0].self_attn
+    stack = cpu_ops.load_kernels().DecodeStack(first.num_heads, first.num_kv_heads, first.scale)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not layer.fused or attn.attend is not cpu_attend or attn.tp.size != 1:
+            return None
+        linears = []
+        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            args = getattr(module, "small_linear_args", lambda: None)()
+            if args is None:
+                return None
+            linears.append(args)
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        stack.add_layer(norm1.weight, norm1.eps, norm2.weight, norm2.eps, linears)
+    return stack
+
+
 class StageModel(nn.Module):
     """The layers of one pipeline stage, plus embedding (first) and norm/lm_head (last)."""
 
@@ -209,6 +234,12 @@ class StageModel(nn.Module):
         """The logits matmul in oneDNN's layout, once `use_onednn()` ran (last stage only)."""
         self.fused = False
         """Whether `use_fused_cpu_ops` ran."""
+        self.stack_decode = True
+        """Decode-only steps of 1-4 rows through `decode_stack` where it applies (False: the
+        layer loop; benchmarks compare the two)."""
+        self._stack_key: tuple | None = None
+        self._stack = None
+        """`decode_stack` of `_stack_key`'s layers (`_decode_stack`)."""
         self.quantization = None
         """The layers' weight quantization (model/quant.py `QuantSummary`), None: none."""
         self.requires_grad_(False)
@@ -283,9 +314,41 @@ class StageModel(nn.Module):
             cos_sin = (self.rotary.cos_cache, self.rotary.sin_cache)  # [P, D] x 2 float32
         else:
             cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, 1, D] x 2
+        if (
+            self.stack_decode
+            and self.fused
+            and meta.is_decode_only
+            and x.shape[0] <= cpu_ops.MAX_ROWS
+        ):
+            stack = self._decode_stack(kv_caches)
+            if stack is not None:
+                return stack.forward(
+                    x,
+                    *cos_sin,
+                    meta.positions,
+                    meta.slot_mapping,
+                    [k for k, _ in kv_caches],
+                    [v for _, v in kv_caches],
+                    meta.block_tables,
+                    meta.seq_lens,
+                )
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta)
         return x
+
+    def _decode_stack(self, kv_caches: KVCaches):
+        """`decode_stack` of the layers as they are now (a weight update swaps layers in,
+        benchmarks swap attention functions), or None (also for caches it cannot read).
+        Built again when a layer, its `fused` or its attention function changes; a matmul's
+        `small_batch` turned off alone (a benchmark's knob) is not seen."""
+        if len(kv_caches) != len(self.layers) or not kv_caches:
+            return None
+        if kv_caches[0][0].dtype not in (torch.float32, torch.bfloat16):
+            return None
+        key = tuple((layer, layer.fused, layer.self_attn.attend) for layer in self.layers)
+        if key != self._stack_key:
+            self._stack_key, self._stack = key, decode_stack(self.layers)
+        return self._stack
 
     def compute_logits(
         self, hidden_states: torch.Tensor, float32: bool = True

@@ -130,6 +130,14 @@ class PackedLinear(nn.Module):
             and x.device.type == "cpu"
         )
 
+    def small_linear_args(self) -> tuple | None:
+        """What `direct` passes `cpu_ops.small_linear` for 1-4 rows, as (weight, scale, bias,
+        packed, bias added after), or None where it calls something else (model/llama.py
+        `decode_stack`)."""
+        if not self.small_batch or self.weight is None:
+            return None
+        return self.weight, None, self.bias, None, None
+
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
         fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch.

@@ -139,6 +139,14 @@ class QuantLinear(nn.Module):
             out = _dequantized_linear(x, self.qweight, self.scale)
         return out if self.bias is None else out + self.bias
 
+    def small_linear_args(self) -> tuple | None:
+        """What `direct` passes `cpu_ops.small_linear` for a few rows, as (weight, scale,
+        bias, packed, bias added after), or None where it calls something else (model/llama.py
+        `decode_stack`)."""
+        if self.method != "int8" or not self.small_batch or not cpu_ops.available():
+            return None
+        return self.qweight, self.scale, None, self.qweight_amx, self.bias
+
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` as a plain function of a 2-D CPU x, the tensors bound once: what the
         fused layer loop calls (model/llama.py `direct_layer`), with no module dispatch."""

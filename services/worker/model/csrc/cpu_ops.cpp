@@ -1768,6 +1768,90 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
+// ------------------------------------------------------------------ a decode step's layers
+// A decode-only step of 1 to kMaxRows rows through a stage's layers in one call: the fused
+// layer of model/llama.py (`direct_layer`) as a C++ loop over the same kernels in the same
+// order, so the same bits. What it spares is the return to Python between a layer's ~10
+// kernels: their argument parsing, and the GIL, which the compute thread had to take back
+// from the worker's event loop after each kernel (docs/performance.md, "A decode step's
+// layers in one call"). model/llama.py `decode_stack` builds one where every matmul of a
+// stage runs on small_linear, on one tensor-parallel rank.
+
+using StackLinearArgs =
+    std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+               c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+
+struct StackLinear {  // small_linear(x, weight, scale, bias, packed) [+ bias_after]
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> scale, bias, packed, bias_after;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto out = small_linear(x, weight, scale, bias, packed);
+    return bias_after.has_value() && bias_after->defined() ? out + *bias_after : out;
+  }
+};
+
+struct StackLayer {
+  torch::Tensor norm1, norm2;
+  double eps1, eps2;
+  StackLinear qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), scale_(scale) {}
+
+  // linears: (weight, scale, bias, packed, bias_after) of qkv, o, gate_up and down
+  void add_layer(const torch::Tensor& norm1, double eps1, const torch::Tensor& norm2,
+                 double eps2, const std::vector<StackLinearArgs>& linears) {
+    TORCH_CHECK(linears.size() == 4, "DecodeStack.add_layer: qkv, o, gate_up and down");
+    auto linear = [](const StackLinearArgs& a) {
+      return StackLinear{std::get<0>(a), std::get<1>(a), std::get<2>(a), std::get<3>(a),
+                         std::get<4>(a)};
+    };
+    layers_.push_back(StackLayer{norm1, norm2, eps1, eps2, linear(linears[0]),
+                                 linear(linears[1]), linear(linears[2]), linear(linears[3])});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] -> [T, hidden] after every layer; T <= kMaxRows rows, each decoding one
+  // token (its K/V written at slot_mapping, attending over its sequence's blocks).
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos_table,
+                        const torch::Tensor& sin_table, const torch::Tensor& positions,
+                        const torch::Tensor& slot_mapping, std::vector<torch::Tensor> k_caches,
+                        std::vector<torch::Tensor> v_caches, const torch::Tensor& block_tables,
+                        const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "DecodeStack.forward: one K and one V cache per layer");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows,
+                "DecodeStack.forward: 1 to ", kMaxRows, " rows");
+    const torch::Tensor tables = block_tables.to(at::kInt).contiguous();
+    const torch::Tensor lens = seq_lens.to(at::kInt).contiguous();
+    const int64_t rows = x.size(0);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& layer = layers_[i];
+      const torch::Tensor qkv = layer.qkv(rms_norm(x.contiguous(), layer.norm1, layer.eps1));
+      const torch::Tensor q =
+          rope_write_kv(qkv.contiguous(), cos_table, sin_table, positions, k_caches[i],
+                        v_caches[i], slot_mapping, num_heads_, num_kv_heads_);
+      const torch::Tensor out =
+          decode_attention(q.contiguous(), k_caches[i], v_caches[i], tables, lens, scale_)
+              .reshape({rows, -1});
+      auto [sum, normed] =
+          add_rms_norm(x.contiguous(), layer.o(out).contiguous(), layer.norm2, layer.eps2);
+      x = sum + layer.down(silu_mul(layer.gate_up(normed).contiguous()));
+    }
+    return x;
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_;
+  double scale_;
+  std::vector<StackLayer> layers_;
+};
+
 // How many of torch's intra-op threads an at::parallel_for of n items ran on: the kernels'
 // parallel loops run in parallel only when this file is compiled with OpenMP (-fopenmp;
 // without it at::parallel_for is a plain loop, and it silently was until 2026-12-01).
@@ -1784,6 +1868,14 @@ int64_t parallel_threads(int64_t n) {
 const auto kNoGil = py::call_guard<py::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, double>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("scale"))
+      .def("add_layer", &DecodeStack::add_layer, "a layer's norms and its four matmuls")
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward,
+           "a decode-only step of 1-4 rows through every layer (model/llama.py decode_stack)",
+           kNoGil);
   m.def("parallel_threads", &parallel_threads,
         "how many intra-op threads a parallel loop of n items ran on");
   m.def("decode_attention", &decode_attention,

@@ -105,7 +105,16 @@ def test_duplicate_id_during_a_scheduler_restart_reads_nothing_of_the_running_re
     # scheduler is back; the restarted scheduler knows the running request (and its owner
     # token) from Redis only, and refuses the Submit as it would have: the id is in use.
     pipeline.start_scheduler()
-    attacker.join()
+    # The victim must still run when the second Submit is answered: finished, its id is free
+    # again and the Submit rightly runs as a request of its own. The router's session may
+    # take seconds to reconnect (its channel's backoff), longer than what the victim has
+    # left to decode on a fast machine, so the stage holds still until the answer is in.
+    worker = pipeline.workers[0]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        attacker.join()
+    finally:
+        worker.send_signal(signal.SIGCONT)
     assert attacker.token_ids == [], "the second client received the running request's tokens"
     assert attacker.error is not None
     assert attacker.error.code() is grpc.StatusCode.ALREADY_EXISTS, attacker.error.details()

@@ -196,6 +196,7 @@ def commit(model: StageModel, staged: StagedWeights) -> None:
     """Swaps the staged modules into `model` (call between steps)."""
     for local, layer in staged.layers.items():
         model.layers[local] = layer
+    model.forget_decode_stack()  # it holds the old layers' weights
     if staged.embed is not None:
         model.embed_tokens.weight = _param(staged.embed)
     if staged.norm is not None:

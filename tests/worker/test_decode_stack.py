@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.bench.decode_step import decode_case
+from services.worker import weights
 from services.worker.attention import torch_backend
 from services.worker.model import cpu_ops
 from services.worker.model.llama import DecoderLayer, fuse_layer
@@ -99,6 +100,16 @@ def test_a_layer_swapped_in_gets_a_new_stack(models):
     assert runner.model._stack is not old_stack
     assert torch.equal(after, _hidden_states(runner, step, use_stack=False))
     assert not torch.equal(after, before)
+
+    # A weight update's commit drops the stack at once: it holds the old layers' weights,
+    # and the steps after it may be too large to ask for a new one.
+    staged = weights.StagedWeights(1, layers={0: other.model.layers[0]})
+    fuse_layer(staged.layers[0], runner.model.layers[0].self_attn.attend)
+    weights.commit(runner.model, staged)
+    assert runner.model._stack is None and runner.model._stack_key is None
+    assert torch.equal(
+        _hidden_states(runner, step, use_stack=True), _hidden_states(runner, step, use_stack=False)
+    )
 
 
 def test_the_stack_refuses_what_its_kernels_cannot_take(models):

@@ -336,6 +336,11 @@ class StageModel(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return x
 
+    def forget_decode_stack(self) -> None:
+        """Drops the stack and the layers it was built of (a weight update swapped layers
+        out: their memory goes now, not at the next step that asks for a stack)."""
+        self._stack_key, self._stack = None, None
+
     def _decode_stack(self, kv_caches: KVCaches):
         """`decode_stack` of the layers as they are now (a weight update swaps layers in,
         benchmarks swap attention functions), or None (also for caches it cannot read).
